@@ -1,0 +1,1 @@
+"""Host-memory and NVMe offload, host optimizers and fused kernels."""

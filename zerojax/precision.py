@@ -1,0 +1,104 @@
+"""Mixed precision: dtypes per precision mode and DeepSpeed's dynamic loss scaler.
+
+The loss scaler is functional and jittable: ``init() -> LossScalerState`` and
+``update(state, overflow) -> LossScalerState``. Its semantics follow DeepSpeed's
+``DynamicLossScaler`` (hysteresis, window, minimum-scale error)::
+
+    scaler = LossScaler(initial_scale_power=8, loss_scale_window=2, hysteresis=2)
+    s = scaler.init()
+    s = scaler.update(s, overflow=jnp.bool_(True))   # scale 256, hysteresis 1
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+_COMPUTE_DTYPE = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
+
+
+class LossScaleError(RuntimeError):
+    """Raised on the host when an fp16 overflow happens at the minimum loss scale."""
+
+
+def compute_dtype(precision: str):
+    """The dtype params are stored and used in for compute under ``precision``."""
+    return _COMPUTE_DTYPE[precision]
+
+
+class LossScalerState(NamedTuple):
+    scale: jax.Array  # f32[] current loss scale
+    hysteresis: jax.Array  # i32[] overflows still tolerated before the scale drops
+    last_overflow_iter: jax.Array  # i32[] iteration of the last overflow (-1: none yet)
+    iter: jax.Array  # i32[] number of updates seen
+    at_minimum: jax.Array  # bool[] an overflow arrived while already at min_loss_scale
+
+
+@dataclasses.dataclass(frozen=True)
+class LossScaler:
+    """DeepSpeed's dynamic loss scaler (keys named as in its ``fp16`` block).
+
+    ``loss_scale > 0`` gives a static scale that never changes (overflowing steps are
+    still skipped). With ``loss_scale == 0`` the scale starts at ``2**initial_scale_power``.
+    """
+
+    initial_scale_power: int = 16
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    consecutive_hysteresis: bool = False
+    min_loss_scale: float = 1.0
+    loss_scale: float = 0.0
+    scale_factor: float = 2.0
+
+    @property
+    def dynamic(self) -> bool:
+        return self.loss_scale == 0
+
+    def init(self) -> LossScalerState:
+        scale = 2.0 ** self.initial_scale_power if self.dynamic else self.loss_scale
+        return LossScalerState(
+            scale=jnp.asarray(scale, jnp.float32),
+            hysteresis=jnp.asarray(self.hysteresis, jnp.int32),
+            last_overflow_iter=jnp.asarray(-1, jnp.int32),
+            iter=jnp.asarray(0, jnp.int32),
+            at_minimum=jnp.asarray(False),
+        )
+
+    def update(self, state: LossScalerState, overflow) -> LossScalerState:
+        overflow = jnp.asarray(overflow, bool)
+        if not self.dynamic:
+            return state._replace(
+                last_overflow_iter=jnp.where(overflow, state.iter, state.last_overflow_iter),
+                iter=state.iter + 1,
+            )
+        min_scale = jnp.float32(self.min_loss_scale)
+        exhausted = (self.hysteresis == 1) | (state.hysteresis == 1)
+        at_min = overflow & exhausted & (state.scale <= min_scale)
+        # overflow branch
+        o_scale = jnp.where(exhausted, jnp.maximum(state.scale / self.scale_factor, min_scale), state.scale)
+        o_hyst = jnp.where(exhausted, state.hysteresis, state.hysteresis - 1)
+        # clean branch
+        stable = state.iter - state.last_overflow_iter - 1
+        grow = (stable > 0) & (stable % self.loss_scale_window == 0)
+        c_scale = jnp.where(grow, state.scale * self.scale_factor, state.scale)
+        refill = grow | self.consecutive_hysteresis
+        c_hyst = jnp.where(refill, jnp.int32(self.hysteresis), state.hysteresis)
+        return LossScalerState(
+            scale=jnp.where(overflow, o_scale, c_scale),
+            hysteresis=jnp.where(overflow, o_hyst, c_hyst),
+            last_overflow_iter=jnp.where(overflow, state.iter, state.last_overflow_iter),
+            iter=state.iter + 1,
+            at_minimum=state.at_minimum | at_min,
+        )
+
+
+def tree_all_finite(tree) -> jax.Array:
+    """True when no leaf of ``tree`` holds an inf or nan."""
+    leaves = jax.tree_util.tree_leaves(tree)
+    if not leaves:
+        return jnp.asarray(True)
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))

@@ -1,0 +1,1 @@
+"""How each ZeRO stage stores and moves data: layouts and explicit collectives."""

@@ -6,3 +6,14 @@ from zerojax.precision import LossScaler as LossScaler
 from zerojax.precision import LossScalerState as LossScalerState
 
 __all__ = ["ConfigError", "LossScaleError", "LossScaler", "LossScalerState", "ZeroConfig"]
+from zerojax.mesh import make_mesh as make_mesh
+from zerojax.plan import LeafLayout as LeafLayout
+from zerojax.plan import ZeroPlan as ZeroPlan
+from zerojax.state import TrainState as TrainState
+from zerojax.state import shard_train_state as shard_train_state
+from zerojax.step import NonFiniteError as NonFiniteError
+from zerojax.step import TrainStep as TrainStep
+from zerojax.step import make_train_step as make_train_step
+
+__all__ += ["make_mesh", "LeafLayout", "ZeroPlan", "TrainState", "shard_train_state", "NonFiniteError",
+            "TrainStep", "make_train_step"]

@@ -1,0 +1,45 @@
+"""The one place that bridges JAX API differences between the versions zerojax supports."""
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+try:  # jax >= 0.6: a public shard_map with check_vma / axis_names
+    _shard_map = jax.shard_map
+    _NEW_SHARD_MAP = True
+except AttributeError:  # pragma: no cover - older jax
+    from jax.experimental.shard_map import shard_map as _shard_map
+
+    _NEW_SHARD_MAP = False
+
+try:
+    from jax.sharding import AxisType
+
+    _AUTO = AxisType.Auto
+except ImportError:  # pragma: no cover
+    AxisType = None
+    _AUTO = None
+
+
+def shard_map(f, mesh, in_specs, out_specs, manual_axes=None):
+    """shard_map with per-device (unchecked) replication semantics.
+
+    ``manual_axes``: the mesh axes the body handles by hand; the others stay automatic
+    (so a model-parallel axis keeps working inside a data-parallel body).
+    """
+    manual = frozenset(manual_axes) if manual_axes is not None else frozenset(mesh.axis_names)
+    if _NEW_SHARD_MAP:
+        kwargs = {}
+        if manual != frozenset(mesh.axis_names):
+            kwargs["axis_names"] = set(manual)
+        return _shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False, **kwargs)
+    auto = frozenset(mesh.axis_names) - manual  # pragma: no cover
+    return _shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False, auto=auto)
+
+
+def mesh_from_devices(devices: np.ndarray, axis_names) -> Mesh:
+    """A Mesh whose axes are all automatic (GSPMD may place what we don't place by hand)."""
+    if _AUTO is not None:
+        return Mesh(devices, tuple(axis_names), axis_types=(_AUTO,) * len(axis_names))
+    return Mesh(devices, tuple(axis_names))  # pragma: no cover

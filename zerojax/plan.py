@@ -1,0 +1,325 @@
+"""ZeroPlan: the one object that decides where every leaf lives.
+
+For a params tree (arrays or ``jax.ShapeDtypeStruct``), a mesh and a ``ZeroConfig`` the plan
+holds, per leaf, a ``LeafLayout``: which dimension carries the data axis when the leaf is
+partitioned, how much padding makes that dimension divide the device count, and whether
+the leaf's params, gradients and optimizer state are partitioned at the chosen stage.
+Everything else (state construction, the step, reports, checkpoints) reads the plan.
+
+Partitioned storage is *near exact*: a leaf is split along the dimension that divides the
+data-axis size (or needs the least padding), so a 50257 x 768 embedding on 8 devices is
+split along its 768 columns and nothing is replicated for not dividing.
+
+    plan = ZeroPlan.create(params, mesh, ZeroConfig(stage=3, param_persistence_threshold=0))
+    plan.param_shardings      # tree of NamedSharding, padded storage shapes in plan.storage_shapes
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from zerojax.config import ConfigError, ZeroConfig
+from zerojax.precision import compute_dtype
+
+DEVICE = "device"
+
+
+def path_str(path) -> str:
+    """'params/dense/kernel' for a jax tree path."""
+    parts = []
+    for k in path:
+        if hasattr(k, "key"):
+            parts.append(str(k.key))
+        elif hasattr(k, "name"):
+            parts.append(str(k.name))
+        elif hasattr(k, "idx"):
+            parts.append(str(k.idx))
+        else:  # pragma: no cover
+            parts.append(str(k))
+    return "/".join(parts)
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafLayout:
+    """Where one parameter leaf lives. ``axis`` is None when it cannot be partitioned."""
+
+    path: str
+    shape: Tuple[int, ...]
+    dtype: Any  # the user's dtype
+    base_spec: Tuple[Any, ...]  # the user's model-parallel annotation, one entry per dim
+    axis: Optional[int]  # dim that carries the data axis in partitioned storage
+    padded: int  # size of ``axis`` after padding (== shape[axis] when it divides)
+    params_partitioned: bool  # stage 3 and above the persistence threshold
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def pad(self) -> int:
+        return 0 if self.axis is None else self.padded - self.shape[self.axis]
+
+    @property
+    def storage_shape(self) -> Tuple[int, ...]:
+        if self.axis is None:
+            return self.shape
+        s = list(self.shape)
+        s[self.axis] = self.padded
+        return tuple(s)
+
+    def spec(self, partitioned: bool, data_axis: str) -> P:
+        """The full PartitionSpec: the user's annotation plus, if partitioned, the data axis."""
+        entries = list(self.base_spec)
+        if partitioned and self.axis is not None:
+            entries[self.axis] = data_axis
+        return P(*entries)
+
+    def data_spec(self, partitioned: bool, data_axis: str) -> P:
+        """The spec seen by a body that is manual over the data axis only."""
+        entries = [None] * len(self.shape)
+        if partitioned and self.axis is not None:
+            entries[self.axis] = data_axis
+        return P(*entries)
+
+
+def _base_spec(leaf, user_spec, mesh: Mesh, data_axis: str, path: str) -> Tuple[Any, ...]:
+    ndim = len(leaf.shape)
+    spec = user_spec
+    if spec is None:
+        sharding = getattr(leaf, "sharding", None)
+        if isinstance(sharding, NamedSharding) and sharding.mesh.axis_names == mesh.axis_names:
+            spec = sharding.spec
+    entries = list(spec) if spec is not None else []
+    entries = entries + [None] * (ndim - len(entries))
+    if len(entries) > ndim:
+        raise ConfigError(f"param {path!r}: annotation {P(*entries)} has more entries than the leaf has dims {leaf.shape}")
+    clean = []
+    for e in entries:
+        names = e if isinstance(e, tuple) else (e,)
+        # the data axis is the plan's to place; the user's other axes are kept as given
+        names = tuple(n for n in names if n is not None and n != data_axis)
+        for n in names:
+            if n not in mesh.axis_names:
+                raise ConfigError(f"param {path!r}: annotation uses mesh axis {n!r} but the mesh has {mesh.axis_names}")
+        clean.append(None if not names else names[0] if len(names) == 1 else names)
+    return tuple(clean)
+
+
+def _choose_axis(shape, base_spec, n: int) -> Tuple[Optional[int], int]:
+    """The free dim that needs the least relative padding to divide ``n`` (earliest on ties)."""
+    best, best_cost = None, None
+    for d, size in enumerate(shape):
+        if base_spec[d] is not None or size == 0:
+            continue
+        padded = -(-size // n) * n
+        cost = padded / size
+        if best_cost is None or cost < best_cost:
+            best, best_cost = d, cost
+    if best is None:
+        return None, 0
+    return best, -(-shape[best] // n) * n
+
+
+def _memory_kind(offloaded: bool, pin: bool) -> str:
+    if not offloaded:
+        return DEVICE
+    return "pinned_host" if pin else "unpinned_host"
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ZeroPlan:
+    """Per-leaf layouts of params, gradients and optimizer state for one stage."""
+
+    mesh: Mesh
+    config: ZeroConfig
+    layouts: Any  # pytree of LeafLayout, the params' structure
+    treedef: Any
+
+    # ---------------------------------------------------------------------------- build
+    @classmethod
+    def create(cls, params, mesh: Mesh, config: ZeroConfig, param_specs=None) -> "ZeroPlan":
+        data_axis = config.data_axis
+        if data_axis not in mesh.axis_names:
+            raise ConfigError(
+                f"the mesh has axes {mesh.axis_names} but no {data_axis!r} axis to partition over. "
+                f"Build it with zj.make_mesh() (a 1-D ('data',) mesh) or set ZeroConfig(data_axis=...) "
+                f"to one of {mesh.axis_names}."
+            )
+        n = mesh.shape[data_axis]
+        leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+        if param_specs is not None:
+            spec_leaves = treedef.flatten_up_to(param_specs)
+        else:
+            spec_leaves = [None] * len(leaves)
+        layouts = []
+        for (path, leaf), user_spec in zip(leaves, spec_leaves):
+            name = path_str(path)
+            if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
+                raise ConfigError(f"param {name!r} is a {type(leaf).__name__}, not an array; only arrays may be leaves")
+            if not jnp.issubdtype(leaf.dtype, jnp.floating):
+                raise ConfigError(f"param {name!r} has dtype {leaf.dtype}; trainable params must be floating point")
+            shape = tuple(int(s) for s in leaf.shape)
+            base = _base_spec(leaf, user_spec, mesh, data_axis, name)
+            axis, padded = _choose_axis(shape, base, n)
+            big = math.prod(shape) >= config.param_persistence_threshold
+            layouts.append(
+                LeafLayout(
+                    path=name,
+                    shape=shape,
+                    dtype=np.dtype(leaf.dtype),
+                    base_spec=base,
+                    axis=axis,
+                    padded=padded,
+                    params_partitioned=config.stage == 3 and big and axis is not None and n > 1,
+                )
+            )
+        return cls(mesh=mesh, config=config, layouts=treedef.unflatten(layouts), treedef=treedef)
+
+    # ------------------------------------------------------------------------- basics
+    @property
+    def n(self) -> int:
+        return self.mesh.shape[self.config.data_axis]
+
+    @property
+    def stage(self) -> int:
+        return self.config.stage
+
+    @property
+    def data_axis(self) -> str:
+        return self.config.data_axis
+
+    @property
+    def leaves(self):
+        return self.treedef.flatten_up_to(self.layouts)
+
+    def map(self, fn, *trees):
+        """tree_map over layouts and matching trees (trees must have the params' structure)."""
+        flat = [self.treedef.flatten_up_to(t) for t in trees]
+        return self.treedef.unflatten([fn(lay, *xs) for lay, *xs in zip(self.leaves, *flat)])
+
+    @property
+    def compute_dtype(self):
+        return compute_dtype(self.config.precision)
+
+    @property
+    def has_master(self) -> bool:
+        """A separate fp32 master copy exists only when params are kept in 16 bits."""
+        return self.config.precision != "fp32"
+
+    # whether each kind of state is partitioned, per leaf
+    def opt_partitioned(self, lay: LeafLayout) -> bool:
+        return self.stage >= 1 and lay.axis is not None and self.n > 1
+
+    def grad_partitioned(self, lay: LeafLayout) -> bool:
+        """Gradients as they reach the update (stage 1 reduce-scatters once per step)."""
+        return self.opt_partitioned(lay)
+
+    # ------------------------------------------------------------------ memory kinds
+    @property
+    def param_memory_kind(self) -> str:
+        return _memory_kind(self.config.offload_param is not None, self.config.pin_memory)
+
+    @property
+    def opt_memory_kind(self) -> str:
+        return _memory_kind(self.config.offload_optimizer is not None, self.config.pin_memory)
+
+    def _sharding(self, spec: P, kind: str) -> NamedSharding:
+        if kind == DEVICE:
+            return NamedSharding(self.mesh, spec)
+        return NamedSharding(self.mesh, spec, memory_kind=kind)
+
+    # ------------------------------------------------------------------ shardings
+    def param_sharding(self, lay: LeafLayout) -> NamedSharding:
+        return self._sharding(lay.spec(lay.params_partitioned, self.data_axis), self.param_memory_kind)
+
+    def master_sharding(self, lay: LeafLayout) -> NamedSharding:
+        return self._sharding(lay.spec(self.opt_partitioned(lay), self.data_axis), self.opt_memory_kind)
+
+    def grad_sharding(self, lay: LeafLayout) -> NamedSharding:
+        return NamedSharding(self.mesh, lay.spec(self.grad_partitioned(lay), self.data_axis))
+
+    @property
+    def param_shardings(self):
+        return self.map(self.param_sharding)
+
+    @property
+    def master_shardings(self):
+        return self.map(self.master_sharding)
+
+    @property
+    def grad_shardings(self):
+        return self.map(self.grad_sharding)
+
+    # shapes of stored leaves
+    def param_shape(self, lay: LeafLayout):
+        return lay.storage_shape if lay.params_partitioned else lay.shape
+
+    def master_shape(self, lay: LeafLayout):
+        return lay.storage_shape if self.opt_partitioned(lay) else lay.shape
+
+    def abstract_master(self):
+        """ShapeDtypeStructs of the fp32 master tree in its update (partitioned) layout."""
+        return self.map(lambda lay: jax.ShapeDtypeStruct(self.master_shape(lay), jnp.float32,
+                                                         sharding=self.master_sharding(lay)))
+
+    def opt_state_shardings(self, opt_shapes):
+        """Shardings for an optimizer state built on ``abstract_master()``.
+
+        A leaf whose tree path ends with a param's path and whose shape is that param's
+        master shape is stored like the master; other leaves (counts, factored moments)
+        are split along a dimension that divides the data axis when they are large, or
+        replicated when small.
+        """
+        by_path = {}
+        for lay in self.leaves:
+            by_path[lay.path] = lay
+        kind = self.opt_memory_kind
+
+        def place(path, leaf):
+            name = path_str(path)
+            parts = name.split("/")
+            for i in range(len(parts)):
+                lay = by_path.get("/".join(parts[i:]))
+                if lay is not None and tuple(leaf.shape) == self.master_shape(lay):
+                    return self.master_sharding(lay)
+            shape = tuple(leaf.shape)
+            if self.stage >= 1 and self.n > 1 and math.prod(shape) >= self.n * 64:
+                for d, size in enumerate(shape):
+                    if size % self.n == 0:
+                        entries = [None] * len(shape)
+                        entries[d] = self.data_axis
+                        return self._sharding(P(*entries), kind)
+            return self._sharding(P(), kind)
+
+        return jax.tree_util.tree_map_with_path(place, opt_shapes)
+
+    # ------------------------------------------------------------- layout changes
+    @staticmethod
+    def pad(x, lay: LeafLayout):
+        if lay.pad == 0:
+            return x
+        widths = [(0, 0)] * x.ndim
+        widths[lay.axis] = (0, lay.pad)
+        return jnp.pad(x, widths)
+
+    @staticmethod
+    def unpad(x, lay: LeafLayout):
+        if lay.pad == 0 or x.shape[lay.axis] == lay.shape[lay.axis]:
+            return x
+        return jax.lax.slice_in_dim(x, 0, lay.shape[lay.axis], axis=lay.axis)
+
+    def describe(self) -> str:
+        """A table: one line per leaf with its shape, split dim, padding and per-stage placement."""
+        rows = [f"ZeroPlan stage {self.stage} over {self.n} devices ({self.config.precision})"]
+        for lay in self.leaves:
+            where = "params split" if lay.params_partitioned else "params whole"
+            split = "-" if lay.axis is None else f"dim {lay.axis}" + (f" +{lay.pad} pad" if lay.pad else "")
+            rows.append(f"  {lay.path:<40} {str(lay.shape):<18} {split:<16} {where}")
+        return "\n".join(rows)

@@ -1,0 +1,158 @@
+"""TrainState and shard_train_state: a model's params and optimizer state in ZeRO layout."""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Union
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import struct
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from zerojax.config import ZeroConfig
+from zerojax.mesh import make_mesh
+from zerojax.plan import ZeroPlan
+from zerojax.precision import LossScalerState
+
+
+@struct.dataclass
+class TrainState:
+    """Everything a ZeRO step reads and writes.
+
+    params:     compute params (precision's dtype), split over the data axis in stage 3
+    master:     fp32 master copy in the update layout (split from stage 1); None under fp32,
+                where the params are the master
+    opt_state:  the optax state of ``tx``, built on the master's update layout
+    loss_scale: the dynamic loss scaler (fp16), carried but unused otherwise
+    rng:        base PRNG key; each micro-batch on each device folds in its indices
+    """
+
+    step: jax.Array  # i32[] optimizer steps taken, skipped ones included
+    params: Any
+    master: Any
+    opt_state: Any
+    loss_scale: LossScalerState
+    rng: jax.Array
+    plan: ZeroPlan = struct.field(pytree_node=False)
+    tx: optax.GradientTransformation = struct.field(pytree_node=False)
+
+    @property
+    def shardings(self) -> "TrainState":
+        return state_shardings(self.plan, self.tx, self.opt_state)
+
+    def full_params(self, dtype=None):
+        """The params as the user's tree (unpadded, logical shapes), from the master when there is one."""
+        return unshard_params(self, dtype)
+
+
+def _replicated(plan: ZeroPlan) -> NamedSharding:
+    return NamedSharding(plan.mesh, P())
+
+
+def state_shardings(plan: ZeroPlan, tx, opt_shapes) -> TrainState:
+    rep = _replicated(plan)
+    scaler = jax.tree_util.tree_map(lambda _: rep, plan.config.loss_scaler.init())
+    return TrainState(
+        step=rep,
+        params=plan.param_shardings,
+        master=plan.master_shardings if plan.has_master else None,
+        opt_state=plan.opt_state_shardings(opt_shapes),
+        loss_scale=scaler,
+        rng=rep,
+        plan=plan,
+        tx=tx,
+    )
+
+
+def _build_fn(plan: ZeroPlan, tx):
+    """full params (user layout) -> (params, master, opt_state) in ZeRO layout; traced under jit."""
+    cdt = plan.compute_dtype
+
+    def build(full):
+        # jnp.array(copy=True) keeps the caller's buffers out of the state, which steps donate
+        params = plan.map(
+            lambda lay, x: jnp.array(plan.pad(x.astype(cdt), lay) if lay.params_partitioned else x.astype(cdt), copy=True),
+            full,
+        )
+        master = plan.map(
+            lambda lay, x: jnp.array(plan.pad(x.astype(jnp.float32), lay) if plan.opt_partitioned(lay)
+                                     else x.astype(jnp.float32), copy=True),
+            full,
+        )
+        opt_state = tx.init(master)
+        return params, (master if plan.has_master else None), opt_state
+
+    return build
+
+
+def shard_train_state(
+    params_or_init: Union[Any, Callable[[jax.Array], Any]],
+    tx: optax.GradientTransformation,
+    *,
+    mesh=None,
+    config: Optional[ZeroConfig] = None,
+    rng: Optional[jax.Array] = None,
+    param_specs=None,
+) -> TrainState:
+    """Place params and a fresh optimizer state in the layout of ``config.stage``.
+
+    ``params_or_init`` is a params tree (arrays, numpy arrays) or ``init_fn(rng) -> params``;
+    with an init function the model is created directly in its sharded layout, so the whole
+    model never has to exist on one device. ``param_specs`` (a tree of PartitionSpec) or the
+    arrays' own NamedShardings give model-parallel annotations; the data axis is added on top.
+
+        state = zj.shard_train_state(params, optax.adamw(1e-3), mesh=zj.make_mesh(),
+                                     config=zj.ZeroConfig(stage=2, precision="bf16"))
+    """
+    mesh = make_mesh() if mesh is None else mesh
+    config = ZeroConfig() if config is None else config
+    rng = jax.random.PRNGKey(0) if rng is None else rng
+    init_key, state_key = jax.random.split(rng)
+    if callable(params_or_init):
+        init_fn = params_or_init
+        abstract = jax.eval_shape(init_fn, init_key)
+    else:
+        init_fn = None
+        abstract = params_or_init
+    plan = ZeroPlan.create(abstract, mesh, config, param_specs=param_specs)
+    build = _build_fn(plan, tx)
+    opt_shapes = jax.eval_shape(tx.init, plan.abstract_master())
+    sh = state_shardings(plan, tx, opt_shapes)
+    out_shardings = (sh.params, sh.master, sh.opt_state)
+    if init_fn is not None:
+        with mesh:
+            params, master, opt_state = jax.jit(lambda k: build(init_fn(k)), out_shardings=out_shardings)(init_key)
+    else:
+        # Replicate onto the mesh first so arrays living elsewhere (numpy, another device) are accepted.
+        rep = _replicated(plan)
+        in_tree = plan.map(lambda lay, x: jax.device_put(x, NamedSharding(mesh, lay.spec(False, plan.data_axis))),
+                           params_or_init)
+        del rep
+        params, master, opt_state = jax.jit(build, out_shardings=out_shardings)(in_tree)
+    scaler = jax.device_put(config.loss_scaler.init(), sh.loss_scale)
+    return TrainState(
+        step=jax.device_put(jnp.zeros((), jnp.int32), sh.step),
+        params=params,
+        master=master,
+        opt_state=opt_state,
+        loss_scale=scaler,
+        rng=jax.device_put(state_key, sh.rng),
+        plan=plan,
+        tx=tx,
+    )
+
+
+def unshard_params(state: TrainState, dtype=None):
+    """Logical params (unpadded) gathered by XLA; dtype defaults to the user's original dtypes."""
+    plan = state.plan
+    src = state.master if plan.has_master else state.params
+    master_layout = plan.has_master
+
+    def one(lay, x):
+        partitioned = plan.opt_partitioned(lay) if master_layout else lay.params_partitioned
+        y = plan.unpad(x, lay) if partitioned else x
+        return y.astype(dtype or lay.dtype)
+
+    return jax.jit(lambda t: plan.map(one, t), out_shardings=plan.map(
+        lambda lay: NamedSharding(plan.mesh, lay.spec(False, plan.data_axis))))(src)

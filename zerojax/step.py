@@ -1,0 +1,327 @@
+"""make_train_step: one jitted ZeRO optimizer step with explicit collectives.
+
+Inside a body that is manual over the data axis each device runs the user's loss on its
+part of the batch, micro-batch by micro-batch (``lax.scan``). The gradient reduction is the
+stage's:
+
+    stage 0  local accumulation, one all-reduce per optimizer step           2Ψ
+    stage 1  local accumulation, one reduce-scatter per optimizer step       Ψ
+    stage 2  a reduce-scatter per micro-batch into the local partition       GAS·Ψ
+    stage 3  params all-gathered per micro-batch; the gather's transpose is
+             a reduce-scatter per micro-batch                                GAS·(Ψ + Ψ)
+
+followed in stages 1–2 by one all-gather of the updated 16-bit params (Ψ). Loss scaling,
+overflow skipping, DeepSpeed's clipping coefficient and the optax update run on the
+partitioned gradients, so each device updates only its 1/N of the optimizer state.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from zerojax._compat import shard_map
+from zerojax.plan import ZeroPlan
+from zerojax.precision import LossScaleError, tree_all_finite
+from zerojax.stages import collectives as C
+from zerojax.state import TrainState
+
+OK, NON_FINITE, SCALE_AT_MIN = 0, 1, 2
+
+
+class NonFiniteError(FloatingPointError):
+    """fp32 training met an inf/nan loss or gradient; the state was left unchanged."""
+
+
+def find_learning_rate(opt_state):
+    """The learning rate recorded by ``optax.inject_hyperparams`` in ``opt_state``, else nan."""
+    found = []
+
+    def visit(x):
+        hp = getattr(x, "hyperparams", None)
+        if isinstance(hp, dict) and "learning_rate" in hp:
+            found.append(hp["learning_rate"])
+            return
+        if isinstance(x, (tuple, list)):
+            for y in x:
+                visit(y)
+        elif isinstance(x, dict):
+            for y in x.values():
+                visit(y)
+
+    visit(opt_state)
+    return jnp.asarray(found[0], jnp.float32) if found else jnp.float32(jnp.nan)
+
+
+def _loss_arity(loss_fn) -> int:
+    try:
+        params = inspect.signature(loss_fn).parameters.values()
+    except (TypeError, ValueError):  # pragma: no cover
+        return 2
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return 3 if len(positional) >= 3 else 2
+
+
+def grads_fn(loss_fn: Callable, plan: ZeroPlan, has_aux: bool = False):
+    """The data-parallel gradient computation: (params, batch, scale, rng) -> (grads, loss).
+
+    ``grads`` are the mean over the global batch of d(scale·loss)/d(params), laid out as
+    ``plan.grad_shardings`` (partitioned from stage 1) and in float32.
+    """
+    cfg, n, axis = plan.config, plan.n, plan.data_axis
+    gas = cfg.gradient_accumulation_steps
+    cdt = plan.compute_dtype
+    takes_rng = _loss_arity(loss_fn) >= 3
+    f32 = jnp.float32
+
+    def per_micro(lay):  # reduce this leaf's gradient after every micro-batch?
+        return not lay.params_partitioned and plan.stage >= 2 and plan.grad_partitioned(lay)
+
+    def acc_shape(lay):
+        if lay.params_partitioned or per_micro(lay):
+            return C.local_shape(lay, n)
+        return lay.shape
+
+    def body(params, batch, scale, rng):
+        mbs = jax.tree_util.tree_map(lambda x: x.reshape((gas, x.shape[0] // gas) + x.shape[1:]), batch)
+
+        def loss_of(p, mb, key):
+            full = plan.map(lambda lay, x: C.gather(x, lay, axis) if lay.params_partitioned else x, p)
+            out = loss_fn(full, mb, key) if takes_rng else loss_fn(full, mb)
+            loss = out[0] if has_aux else out
+            return loss.astype(f32) * scale, loss.astype(f32)
+
+        def micro(carry, xs):
+            acc, loss_sum = carry
+            mb, i = xs
+            key = jax.random.fold_in(jax.random.fold_in(rng, jax.lax.axis_index(axis)), i)
+            g, loss = jax.grad(loss_of, has_aux=True)(params, mb, key)
+            g = plan.map(lambda lay, x: C.reduce_scatter(x, lay, axis) if per_micro(lay) else x, g)
+            acc = jax.tree_util.tree_map(lambda a, x: a + x.astype(f32), acc, g)
+            return (acc, loss_sum + loss), None
+
+        acc0 = plan.map(lambda lay: jnp.zeros(acc_shape(lay), f32))
+        (acc, loss_sum), _ = jax.lax.scan(micro, (acc0, jnp.zeros((), f32)), (mbs, jnp.arange(gas)))
+
+        def finish(lay, a):
+            if lay.params_partitioned or per_micro(lay):
+                return a
+            a = a.astype(cdt)  # communicate in the gradient dtype
+            if plan.grad_partitioned(lay):
+                return C.reduce_scatter(a, lay, axis).astype(f32)
+            return C.all_reduce(a, axis).astype(f32)
+
+        grads = plan.map(finish, acc)
+        denom = f32(n * gas)
+        grads = jax.tree_util.tree_map(lambda g: g / denom, grads)
+        return grads, jax.lax.psum(loss_sum, axis) / denom
+
+    param_specs = plan.map(lambda lay: lay.data_spec(lay.params_partitioned, axis))
+    grad_specs = plan.map(lambda lay: lay.data_spec(plan.grad_partitioned(lay), axis))
+
+    def run(params, batch, scale, rng):
+        batch_specs = jax.tree_util.tree_map(lambda _: P(axis), batch)
+        sm = shard_map(body, plan.mesh, in_specs=(param_specs, batch_specs, P(), P()),
+                       out_specs=(grad_specs, P()), manual_axes={axis})
+        return sm(params, batch, scale, rng)
+
+    return run
+
+
+def master_view(plan: ZeroPlan, state: TrainState):
+    """The fp32 master in the update layout. Under fp32 it is derived from the params:
+    a partitioned leaf is this device's slice of the (replicated) params, no communication."""
+    if plan.has_master:
+        return state.master
+    axis, n = plan.data_axis, plan.n
+    need = [plan.opt_partitioned(lay) and not lay.params_partitioned for lay in plan.leaves]
+    if not any(need):
+        return state.params
+
+    def body(params):
+        return plan.map(lambda lay, x: C.local_slice(x, lay, axis, n)
+                        if plan.opt_partitioned(lay) and not lay.params_partitioned else x, params)
+
+    in_specs = plan.map(lambda lay: lay.data_spec(lay.params_partitioned, axis))
+    out_specs = plan.map(lambda lay: lay.data_spec(plan.opt_partitioned(lay), axis))
+    return shard_map(body, plan.mesh, in_specs=(in_specs,), out_specs=out_specs, manual_axes={axis})(state.params)
+
+
+def params_from_master(plan: ZeroPlan, master):
+    """Updated fp32 master -> compute params in their storage layout. Leaves stored whole but
+    updated in partitions are all-gathered once, in the compute dtype (the Ψ of stages 1–2)."""
+    axis, cdt = plan.data_axis, plan.compute_dtype
+
+    def gathered(lay):
+        return plan.opt_partitioned(lay) and not lay.params_partitioned
+
+    def body(m):
+        return plan.map(lambda lay, x: C.gather(x.astype(cdt), lay, axis) if gathered(lay) else x.astype(cdt), m)
+
+    in_specs = plan.map(lambda lay: lay.data_spec(plan.opt_partitioned(lay), axis))
+    out_specs = plan.map(lambda lay: lay.data_spec(lay.params_partitioned, axis))
+    return shard_map(body, plan.mesh, in_specs=(in_specs,), out_specs=out_specs, manual_axes={axis})(master)
+
+
+def clip_coefficient(norm, clip: float):
+    """DeepSpeed's: max(1, (norm + 1e-6) / clip); gradients are divided by it."""
+    if not clip:
+        return jnp.float32(1.0)
+    return jnp.maximum(jnp.float32(1.0), (norm + 1e-6) / clip)
+
+
+def _update_fn(loss_fn: Callable, plan: ZeroPlan, tx, has_aux: bool):
+    cfg = plan.config
+    scaler = cfg.loss_scaler
+    fp16 = cfg.precision == "fp16"
+    compute_grads = grads_fn(loss_fn, plan, has_aux)
+
+    def train_step(state: TrainState, batch):
+        scale = state.loss_scale.scale if fp16 else jnp.float32(1.0)
+        rng = jax.random.fold_in(state.rng, state.step)
+        grads, loss = compute_grads(state.params, batch, scale, rng)
+        grads = jax.tree_util.tree_map(lambda g: g / scale, grads)
+        finite = tree_all_finite(grads) & jnp.isfinite(loss)
+        norm = optax.global_norm(grads)
+        coef = clip_coefficient(norm, cfg.gradient_clipping)
+        grads = jax.tree_util.tree_map(lambda g: g / coef, grads)
+        skip = ~finite
+        if cfg.precision == "bf16" and not cfg.check_grad_overflow:
+            skip = jnp.asarray(False)
+
+        def apply(_):
+            master = master_view(plan, state)
+            updates, opt_state = tx.update(grads, state.opt_state, master)
+            master = optax.apply_updates(master, updates)
+            return params_from_master(plan, master), (master if plan.has_master else None), opt_state
+
+        def keep(_):
+            return state.params, state.master, state.opt_state
+
+        params, master, opt_state = jax.lax.cond(skip, keep, apply, None)
+        loss_scale = scaler.update(state.loss_scale, ~finite) if fp16 else state.loss_scale
+        error = jnp.int32(OK)
+        if fp16:
+            error = jnp.where(loss_scale.at_minimum & ~state.loss_scale.at_minimum, SCALE_AT_MIN, OK)
+        elif cfg.precision == "fp32":
+            error = jnp.where(finite, OK, NON_FINITE)
+        new_state = state.replace(step=state.step + 1, params=params, master=master, opt_state=opt_state,
+                                  loss_scale=loss_scale)
+        metrics = {
+            "loss": loss,
+            "grad_norm": norm,
+            "learning_rate": find_learning_rate(opt_state),
+            "loss_scale": scale,
+            "skipped": skip,
+            "error": error,
+        }
+        return new_state, metrics
+
+    return train_step
+
+
+class TrainStep:
+    """A jitted ZeRO step: ``state, metrics = step(state, batch)``; ``step.lower(state, batch)``.
+
+    Calling it checks the batch and the state against the plan first (clear errors instead
+    of traces from inside jax) and raises on the host for errors the step reports:
+    ``NonFiniteError`` (fp32) and ``LossScaleError`` (fp16 overflow at the minimum scale);
+    the exception's ``.state`` holds the returned (unchanged) state, so nothing is lost.
+    """
+
+    def __init__(self, jitted, plan: ZeroPlan, check_errors: bool = True):
+        self.jitted = jitted
+        self.plan = plan
+        self.check_errors = check_errors
+
+    def lower(self, state, batch):
+        return self.jitted.lower(state, batch)
+
+    def __call__(self, state: TrainState, batch):
+        check_state(self.plan, state)
+        check_batch(self.plan, batch)
+        new_state, metrics = self.jitted(state, batch)
+        if self.check_errors:
+            code = int(metrics["error"])
+            if code == NON_FINITE:
+                err = NonFiniteError(
+                    f"step {int(state.step)}: the loss or a gradient is inf/nan under precision='fp32' "
+                    f"(loss={float(metrics['loss'])}); the update was skipped and the state is unchanged "
+                    "(see .state). Check the inputs, lower the learning rate or set gradient_clipping."
+                )
+                err.state = new_state
+                raise err
+            if code == SCALE_AT_MIN:
+                err = LossScaleError(
+                    f"step {int(state.step)}: fp16 gradients overflowed with the loss scale already at its "
+                    f"minimum ({self.plan.config.min_loss_scale}); DeepSpeed stops here too. Lower the "
+                    "learning rate, lower min_loss_scale, or train in bf16. The state is in .state."
+                )
+                err.state = new_state
+                raise err
+        return new_state, metrics
+
+
+def check_batch(plan: ZeroPlan, batch) -> None:
+    need = plan.n * plan.config.gradient_accumulation_steps
+    for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
+        shape = getattr(x, "shape", ())
+        if len(shape) == 0 or shape[0] % need:
+            from zerojax.plan import path_str
+
+            raise ValueError(
+                f"batch leaf {path_str(path) or '<root>'!r} has leading dimension {shape[0] if shape else 'none'}, "
+                f"which must be a multiple of data devices x gradient_accumulation_steps = {plan.n} x "
+                f"{plan.config.gradient_accumulation_steps} = {need}. Pad or resize the global batch."
+            )
+
+
+def check_state(plan: ZeroPlan, state) -> None:
+    if not isinstance(state, TrainState):
+        raise TypeError(f"expected a zerojax TrainState (from zj.shard_train_state), got {type(state).__name__}")
+    if state.plan is not plan:
+        raise ValueError("this step was made for another state's plan; build it with zj.make_train_step(loss_fn, state)")
+    got = jax.tree_util.tree_structure(state.params)
+    if got != plan.treedef:
+        raise ValueError(
+            "state.params no longer matches the plan's params tree: "
+            f"expected {plan.treedef}, got {got}. Rebuild the state with zj.shard_train_state."
+        )
+    bad = []
+    for lay, x in zip(plan.leaves, plan.treedef.flatten_up_to(state.params)):
+        want = lay.storage_shape if lay.params_partitioned else lay.shape
+        if tuple(x.shape) != want:
+            bad.append(f"{lay.path}: shape {tuple(x.shape)}, expected {want}")
+    if bad:
+        raise ValueError("state.params leaves do not match the plan:\n  " + "\n  ".join(bad))
+
+
+def make_train_step(loss_fn: Callable, state: TrainState, *, has_aux: bool = False, donate: bool = True,
+                    check_errors: bool = True) -> TrainStep:
+    """Build the jitted step for ``state``'s plan.
+
+    ``loss_fn(params, batch) -> loss`` (or ``loss_fn(params, batch, rng)``, given a key unique
+    to the step, device and micro-batch). The batch's leading dimension is the global batch:
+    data devices x gradient_accumulation_steps x micro-batch. The state is donated.
+
+        step = zj.make_train_step(loss_fn, state)
+        state, metrics = step(state, batch)
+    """
+    plan = state.plan
+    fn = _update_fn(loss_fn, plan, state.tx, has_aux)
+    shardings = state.shardings
+    batch_sharding = NamedSharding(plan.mesh, P(plan.data_axis))
+    rep = NamedSharding(plan.mesh, P())
+    metric_sh = {k: rep for k in ("loss", "grad_norm", "learning_rate", "loss_scale", "skipped", "error")}
+    jitted = jax.jit(
+        fn,
+        in_shardings=(shardings, batch_sharding),
+        out_shardings=(shardings, metric_sh),
+        donate_argnums=(0,) if donate else (),
+    )
+    return TrainStep(jitted, plan, check_errors)

@@ -17,3 +17,8 @@ from zerojax.step import make_train_step as make_train_step
 
 __all__ += ["make_mesh", "LeafLayout", "ZeroPlan", "TrainState", "shard_train_state", "NonFiniteError",
             "TrainStep", "make_train_step"]
+from zerojax.optim import zero_optimizer as zero_optimizer
+from zerojax.report import MemoryReport as MemoryReport
+from zerojax.report import memory_report as memory_report
+
+__all__ += ["zero_optimizer", "MemoryReport", "memory_report"]

@@ -265,30 +265,44 @@ class ZeroPlan:
         return lay.storage_shape if self.opt_partitioned(lay) else lay.shape
 
     def abstract_master(self):
-        """ShapeDtypeStructs of the fp32 master tree in its update (partitioned) layout."""
-        return self.map(lambda lay: jax.ShapeDtypeStruct(self.master_shape(lay), jnp.float32,
-                                                         sharding=self.master_sharding(lay)))
+        """ShapeDtypeStructs of the fp32 master tree as the optimizer sees it (logical shapes)."""
+        return self.map(lambda lay: jax.ShapeDtypeStruct(lay.shape, jnp.float32))
 
-    def opt_state_shardings(self, opt_shapes):
-        """Shardings for an optimizer state built on ``abstract_master()``.
+    def opt_leaf_layouts(self, opt_tree, stored: bool):
+        """For each leaf of an optimizer state, the param layout it mirrors, or None.
 
-        A leaf whose tree path ends with a param's path and whose shape is that param's
-        master shape is stored like the master; other leaves (counts, factored moments)
-        are split along a dimension that divides the data axis when they are large, or
-        replicated when small.
+        A leaf mirrors a param when its tree path ends with the param's path and its shape is
+        the param's (``stored``: padded storage shape; else the logical shape). Moments and
+        the like are stored exactly like the master; counts and factored statistics are not.
         """
-        by_path = {}
-        for lay in self.leaves:
-            by_path[lay.path] = lay
-        kind = self.opt_memory_kind
-
-        def place(path, leaf):
-            name = path_str(path)
-            parts = name.split("/")
+        by_path = {lay.path: lay for lay in self.leaves}
+        out = []
+        for path, leaf in jax.tree_util.tree_flatten_with_path(opt_tree)[0]:
+            parts = path_str(path).split("/")
+            found = None
             for i in range(len(parts)):
                 lay = by_path.get("/".join(parts[i:]))
-                if lay is not None and tuple(leaf.shape) == self.master_shape(lay):
-                    return self.master_sharding(lay)
+                if lay is not None:
+                    want = self.master_shape(lay) if stored else lay.shape
+                    if tuple(getattr(leaf, "shape", ())) == want:
+                        found = lay
+                    break
+            out.append(found)
+        return out
+
+    def opt_state_shardings(self, opt_shapes):
+        """Shardings of an optimizer state whose logical shapes are ``opt_shapes``.
+
+        Leaves that mirror a param are stored like its master; other leaves (counts, factored
+        moments) are split along a dimension that divides the data axis when they are large,
+        or replicated when small.
+        """
+        kind = self.opt_memory_kind
+        leaves, treedef = jax.tree_util.tree_flatten(opt_shapes)
+
+        def place(lay, leaf):
+            if lay is not None:
+                return self.master_sharding(lay)
             shape = tuple(leaf.shape)
             if self.stage >= 1 and self.n > 1 and math.prod(shape) >= self.n * 64:
                 for d, size in enumerate(shape):
@@ -298,7 +312,44 @@ class ZeroPlan:
                         return self._sharding(P(*entries), kind)
             return self._sharding(P(), kind)
 
-        return jax.tree_util.tree_map_with_path(place, opt_shapes)
+        layouts = self.opt_leaf_layouts(opt_shapes, stored=False)
+        return treedef.unflatten([place(lay, leaf) for lay, leaf in zip(layouts, leaves)])
+
+    # ------------------------------------------------ storage <-> update layout
+    def update_sharding(self, lay: LeafLayout) -> NamedSharding:
+        """Where a leaf lives while the optimizer updates it: logical shape, split like the master."""
+        return NamedSharding(self.mesh, lay.spec(self.opt_partitioned(lay), self.data_axis))
+
+    def _to_update(self, lay: Optional[LeafLayout], x):
+        if lay is None or not self.opt_partitioned(lay):
+            return x
+        # XLA splits the logical (unpadded) shape with the same tile size: no data moves
+        return jax.lax.with_sharding_constraint(self.unpad(x, lay), self.update_sharding(lay))
+
+    def _to_storage(self, lay: Optional[LeafLayout], x):
+        if lay is None or not self.opt_partitioned(lay):
+            return x
+        return self.pad(x, lay)
+
+    def to_update(self, tree):
+        """Params-structured tree in partitioned storage (padded) -> logical update layout.
+
+        The optimizer always sees the user's shapes, so per-leaf means (Adafactor, block RMS
+        clipping) are exact even where storage is padded."""
+        return self.map(self._to_update, tree)
+
+    def to_storage(self, tree):
+        return self.map(self._to_storage, tree)
+
+    def opt_to_update(self, opt_state):
+        leaves, treedef = jax.tree_util.tree_flatten(opt_state)
+        lays = self.opt_leaf_layouts(opt_state, stored=True)
+        return treedef.unflatten([self._to_update(lay, x) for lay, x in zip(lays, leaves)])
+
+    def opt_to_storage(self, opt_state):
+        leaves, treedef = jax.tree_util.tree_flatten(opt_state)
+        lays = self.opt_leaf_layouts(opt_state, stored=False)
+        return treedef.unflatten([self._to_storage(lay, x) for lay, x in zip(lays, leaves)])
 
     # ------------------------------------------------------------- layout changes
     @staticmethod

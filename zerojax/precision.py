@@ -102,3 +102,9 @@ def tree_all_finite(tree) -> jax.Array:
     if not leaves:
         return jnp.asarray(True)
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
+
+
+def global_norm(tree) -> jax.Array:
+    """L2 norm over every leaf of ``tree``, accumulated in float32."""
+    leaves = jax.tree_util.tree_leaves(tree)
+    return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in leaves))

@@ -39,7 +39,7 @@ class TrainState:
 
     @property
     def shardings(self) -> "TrainState":
-        return state_shardings(self.plan, self.tx, self.opt_state)
+        return state_shardings(self.plan, self.tx)
 
     def full_params(self, dtype=None):
         """The params as the user's tree (unpadded, logical shapes), from the master when there is one."""
@@ -50,8 +50,10 @@ def _replicated(plan: ZeroPlan) -> NamedSharding:
     return NamedSharding(plan.mesh, P())
 
 
-def state_shardings(plan: ZeroPlan, tx, opt_shapes) -> TrainState:
+def state_shardings(plan: ZeroPlan, tx) -> TrainState:
+    """The sharding of every leaf of a TrainState for ``plan`` and ``tx`` (a TrainState of shardings)."""
     rep = _replicated(plan)
+    opt_shapes = jax.eval_shape(tx.init, plan.abstract_master())
     scaler = jax.tree_util.tree_map(lambda _: rep, plan.config.loss_scaler.init())
     return TrainState(
         step=rep,
@@ -70,18 +72,12 @@ def _build_fn(plan: ZeroPlan, tx):
     cdt = plan.compute_dtype
 
     def build(full):
-        # jnp.array(copy=True) keeps the caller's buffers out of the state, which steps donate
-        params = plan.map(
-            lambda lay, x: jnp.array(plan.pad(x.astype(cdt), lay) if lay.params_partitioned else x.astype(cdt), copy=True),
-            full,
-        )
-        master = plan.map(
-            lambda lay, x: jnp.array(plan.pad(x.astype(jnp.float32), lay) if plan.opt_partitioned(lay)
-                                     else x.astype(jnp.float32), copy=True),
-            full,
-        )
-        opt_state = tx.init(master)
-        return params, (master if plan.has_master else None), opt_state
+        params = plan.map(lambda lay, x: plan.pad(x.astype(cdt), lay) if lay.params_partitioned else x.astype(cdt), full)
+        master = plan.map(lambda lay, x: x.astype(jnp.float32), full)
+        opt_state = plan.opt_to_storage(tx.init(master))
+        out = (params, plan.to_storage(master) if plan.has_master else None, opt_state)
+        # fresh buffers: the caller's arrays must survive the steps, which donate the state
+        return jax.tree_util.tree_map(lambda x: jnp.array(x, copy=True), out)
 
     return build
 
@@ -117,18 +113,14 @@ def shard_train_state(
         abstract = params_or_init
     plan = ZeroPlan.create(abstract, mesh, config, param_specs=param_specs)
     build = _build_fn(plan, tx)
-    opt_shapes = jax.eval_shape(tx.init, plan.abstract_master())
-    sh = state_shardings(plan, tx, opt_shapes)
+    sh = state_shardings(plan, tx)
     out_shardings = (sh.params, sh.master, sh.opt_state)
     if init_fn is not None:
-        with mesh:
-            params, master, opt_state = jax.jit(lambda k: build(init_fn(k)), out_shardings=out_shardings)(init_key)
+        params, master, opt_state = jax.jit(lambda k: build(init_fn(k)), out_shardings=out_shardings)(init_key)
     else:
         # Replicate onto the mesh first so arrays living elsewhere (numpy, another device) are accepted.
-        rep = _replicated(plan)
         in_tree = plan.map(lambda lay, x: jax.device_put(x, NamedSharding(mesh, lay.spec(False, plan.data_axis))),
                            params_or_init)
-        del rep
         params, master, opt_state = jax.jit(build, out_shardings=out_shardings)(in_tree)
     scaler = jax.device_put(config.loss_scaler.init(), sh.loss_scale)
     return TrainState(

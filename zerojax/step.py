@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from zerojax._compat import shard_map
 from zerojax.plan import ZeroPlan
-from zerojax.precision import LossScaleError, tree_all_finite
+from zerojax.precision import LossScaleError, global_norm, tree_all_finite
 from zerojax.stages import collectives as C
 from zerojax.state import TrainState
 
@@ -187,7 +187,7 @@ def _update_fn(loss_fn: Callable, plan: ZeroPlan, tx, has_aux: bool):
         grads, loss = compute_grads(state.params, batch, scale, rng)
         grads = jax.tree_util.tree_map(lambda g: g / scale, grads)
         finite = tree_all_finite(grads) & jnp.isfinite(loss)
-        norm = optax.global_norm(grads)
+        norm = global_norm(grads)
         coef = clip_coefficient(norm, cfg.gradient_clipping)
         grads = jax.tree_util.tree_map(lambda g: g / coef, grads)
         skip = ~finite
@@ -195,9 +195,11 @@ def _update_fn(loss_fn: Callable, plan: ZeroPlan, tx, has_aux: bool):
             skip = jnp.asarray(False)
 
         def apply(_):
-            master = master_view(plan, state)
-            updates, opt_state = tx.update(grads, state.opt_state, master)
-            master = optax.apply_updates(master, updates)
+            # the optimizer works on logical shapes, split over the data axis
+            master = plan.to_update(master_view(plan, state))
+            updates, opt_state = tx.update(plan.to_update(grads), plan.opt_to_update(state.opt_state), master)
+            master = plan.to_storage(optax.apply_updates(master, updates))
+            opt_state = plan.opt_to_storage(opt_state)
             return params_from_master(plan, master), (master if plan.has_master else None), opt_state
 
         def keep(_):

@@ -1,0 +1,122 @@
+"""A GPT-2-style decoder in plain JAX: params are a dict tree, the loss a pure function.
+
+    cfg = GPTConfig(vocab=50257, n_layer=12, d_model=768, n_head=12, seq_len=1024)  # GPT-2 small
+    params = init_params(cfg, jax.random.PRNGKey(0))
+    loss = loss_fn(cfg)(params, {"tokens": int32[B, seq_len + 1]})
+
+``scan=True`` stacks the blocks (every block leaf gains a leading n_layer dim) and runs them
+with ``lax.scan``; ``scan=False`` keeps a list of blocks and a Python loop.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+    vocab: int = 50257
+    n_layer: int = 12
+    d_model: int = 768
+    n_head: int = 12
+    seq_len: int = 1024
+    scan: bool = False
+
+    @property
+    def n_params(self) -> int:
+        d = self.d_model
+        block = 2 * d + (d * 3 * d + 3 * d) + (d * d + d) + 2 * d + (d * 4 * d + 4 * d) + (4 * d * d + d)
+        return self.vocab * d + self.seq_len * d + self.n_layer * block + 2 * d
+
+
+GPT2_SMALL = GPTConfig()
+
+
+def _block_init(cfg: GPTConfig, key):
+    d = cfg.d_model
+    k = jax.random.split(key, 4)
+    std, proj_std = 0.02, 0.02 / math.sqrt(2 * cfg.n_layer)
+    return {
+        "ln1": {"scale": jnp.ones((d,)), "bias": jnp.zeros((d,))},
+        "attn": {
+            "qkv": {"kernel": jax.random.normal(k[0], (d, 3 * d)) * std, "bias": jnp.zeros((3 * d,))},
+            "proj": {"kernel": jax.random.normal(k[1], (d, d)) * proj_std, "bias": jnp.zeros((d,))},
+        },
+        "ln2": {"scale": jnp.ones((d,)), "bias": jnp.zeros((d,))},
+        "mlp": {
+            "fc": {"kernel": jax.random.normal(k[2], (d, 4 * d)) * std, "bias": jnp.zeros((4 * d,))},
+            "proj": {"kernel": jax.random.normal(k[3], (4 * d, d)) * proj_std, "bias": jnp.zeros((d,))},
+        },
+    }
+
+
+def init_params(cfg: GPTConfig, key):
+    k_wte, k_wpe, k_blocks = jax.random.split(key, 3)
+    keys = jax.random.split(k_blocks, cfg.n_layer)
+    if cfg.scan:
+        blocks = jax.vmap(lambda k: _block_init(cfg, k))(keys)
+    else:
+        blocks = [_block_init(cfg, k) for k in keys]
+    return {
+        "wte": jax.random.normal(k_wte, (cfg.vocab, cfg.d_model)) * 0.02,
+        "wpe": jax.random.normal(k_wpe, (cfg.seq_len, cfg.d_model)) * 0.01,
+        "blocks": blocks,
+        "ln_f": {"scale": jnp.ones((cfg.d_model,)), "bias": jnp.zeros((cfg.d_model,))},
+    }
+
+
+def _layer_norm(x, p):
+    x32 = x.astype(jnp.float32)
+    mean = x32.mean(-1, keepdims=True)
+    var = ((x32 - mean) ** 2).mean(-1, keepdims=True)
+    y = (x32 - mean) * jax.lax.rsqrt(var + 1e-5)
+    return (y * p["scale"].astype(jnp.float32) + p["bias"].astype(jnp.float32)).astype(x.dtype)
+
+
+def _dense(x, p):
+    return x @ p["kernel"].astype(x.dtype) + p["bias"].astype(x.dtype)
+
+
+def _block(cfg: GPTConfig, x, p):
+    b, t, d = x.shape
+    h = cfg.n_head
+    qkv = _dense(_layer_norm(x, p["ln1"]), p["attn"]["qkv"])
+    q, k, v = jnp.split(qkv.reshape(b, t, 3, h, d // h), 3, axis=2)
+    q, k, v = (a[:, :, 0].transpose(0, 2, 1, 3) for a in (q, k, v))
+    att = (q @ k.transpose(0, 1, 3, 2)).astype(jnp.float32) / math.sqrt(d // h)
+    mask = jnp.tril(jnp.ones((t, t), bool))
+    att = jax.nn.softmax(jnp.where(mask, att, -1e9), axis=-1).astype(x.dtype)
+    y = (att @ v).transpose(0, 2, 1, 3).reshape(b, t, d)
+    x = x + _dense(y, p["attn"]["proj"])
+    m = jax.nn.gelu(_dense(_layer_norm(x, p["ln2"]), p["mlp"]["fc"]))
+    return x + _dense(m, p["mlp"]["proj"])
+
+
+def forward(cfg: GPTConfig, params, tokens):
+    """tokens int[B, T] -> logits float32[B, T, vocab]; dtype follows the params."""
+    t = tokens.shape[1]
+    dtype = params["wte"].dtype
+    x = params["wte"][tokens] + params["wpe"][:t].astype(dtype)
+    if cfg.scan:
+        x, _ = jax.lax.scan(lambda x, p: (_block(cfg, x, p), None), x, params["blocks"])
+    else:
+        for p in params["blocks"]:
+            x = _block(cfg, x, p)
+    x = _layer_norm(x, params["ln_f"])
+    return (x @ params["wte"].T.astype(x.dtype)).astype(jnp.float32)
+
+
+def loss_fn(cfg: GPTConfig):
+    """Next-token cross-entropy on ``batch["tokens"]`` (int[B, T + 1])."""
+
+    def loss(params, batch):
+        tokens = batch["tokens"]
+        logits = forward(cfg, params, tokens[:, :-1])
+        targets = tokens[:, 1:]
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        return -jnp.take_along_axis(logp, targets[..., None], axis=-1).mean()
+
+    return loss

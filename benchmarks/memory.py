@@ -16,7 +16,6 @@ from _common import simulate_devices
 
 simulate_devices(8)
 
-import jax  # noqa: E402
 import optax  # noqa: E402
 
 import zerojax as zj  # noqa: E402

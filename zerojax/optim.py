@@ -19,12 +19,12 @@ from typing import Any, NamedTuple, Optional
 
 import jax
 import optax
-from jax.sharding import NamedSharding
 
 from zerojax.config import ZeroConfig
 from zerojax.mesh import make_mesh
 from zerojax.plan import ZeroPlan
 from zerojax.precision import global_norm
+from zerojax.stages import collectives as C
 
 
 class ZeroOptState(NamedTuple):
@@ -51,7 +51,8 @@ def zero_optimizer(tx: optax.GradientTransformation, *, mesh=None,
         return ZeroPlan.create(params, mesh, config)
 
     def to_update_layout(plan: ZeroPlan, tree):
-        return _constrain(tree, plan.map(plan.update_sharding))
+        # slice locally (no constraint on the caller's arrays), then view with logical shapes
+        return plan.to_update(C.split_tree(plan, tree, plan.opt_partitioned))
 
     def store(plan: ZeroPlan, inner, logical_shapes):
         # stored padded, split like the master, so any jit boundary accepts it
@@ -75,7 +76,20 @@ def zero_optimizer(tx: optax.GradientTransformation, *, mesh=None,
             grads = jax.tree_util.tree_map(lambda g: g / coef, grads)
         master = to_update_layout(plan, params)
         new_updates, inner = tx.update(grads, plan.opt_to_update(state.inner), master)
-        whole = _constrain(new_updates, plan.map(lambda lay: NamedSharding(mesh, lay.spec(False, plan.data_axis))))
+        whole = C.gather_tree(plan, plan.to_storage(new_updates), plan.opt_partitioned)
         return whole, store(plan, inner, jax.eval_shape(lambda: inner))
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    # jit (inlined when the caller is already tracing) so the logical, possibly uneven
+    # update layout only ever exists inside a compiled program
+    jit_init = jax.jit(init_fn)
+    jit_update = jax.jit(update_fn)
+
+    def init(params):
+        return jit_init(params)
+
+    def update(updates, state, params=None):
+        if params is None:
+            raise ValueError("zero_optimizer.update needs params (the partition to update is cut from them)")
+        return jit_update(updates, state, params)
+
+    return optax.GradientTransformation(init, update)

@@ -17,7 +17,7 @@ partitioned gradients, so each device updates only its 1/N of the optimizer stat
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -133,39 +133,22 @@ def grads_fn(loss_fn: Callable, plan: ZeroPlan, has_aux: bool = False):
     return run
 
 
+def _split_not_stored_split(plan: ZeroPlan):
+    return lambda lay: plan.opt_partitioned(lay) and not lay.params_partitioned
+
+
 def master_view(plan: ZeroPlan, state: TrainState):
-    """The fp32 master in the update layout. Under fp32 it is derived from the params:
-    a partitioned leaf is this device's slice of the (replicated) params, no communication."""
+    """The fp32 master in partitioned storage. Under fp32 it is derived from the params:
+    a partitioned leaf is this device's slice of the (whole) params, no communication."""
     if plan.has_master:
         return state.master
-    axis, n = plan.data_axis, plan.n
-    need = [plan.opt_partitioned(lay) and not lay.params_partitioned for lay in plan.leaves]
-    if not any(need):
-        return state.params
-
-    def body(params):
-        return plan.map(lambda lay, x: C.local_slice(x, lay, axis, n)
-                        if plan.opt_partitioned(lay) and not lay.params_partitioned else x, params)
-
-    in_specs = plan.map(lambda lay: lay.data_spec(lay.params_partitioned, axis))
-    out_specs = plan.map(lambda lay: lay.data_spec(plan.opt_partitioned(lay), axis))
-    return shard_map(body, plan.mesh, in_specs=(in_specs,), out_specs=out_specs, manual_axes={axis})(state.params)
+    return C.split_tree(plan, state.params, _split_not_stored_split(plan))
 
 
 def params_from_master(plan: ZeroPlan, master):
     """Updated fp32 master -> compute params in their storage layout. Leaves stored whole but
     updated in partitions are all-gathered once, in the compute dtype (the Ψ of stages 1–2)."""
-    axis, cdt = plan.data_axis, plan.compute_dtype
-
-    def gathered(lay):
-        return plan.opt_partitioned(lay) and not lay.params_partitioned
-
-    def body(m):
-        return plan.map(lambda lay, x: C.gather(x.astype(cdt), lay, axis) if gathered(lay) else x.astype(cdt), m)
-
-    in_specs = plan.map(lambda lay: lay.data_spec(plan.opt_partitioned(lay), axis))
-    out_specs = plan.map(lambda lay: lay.data_spec(lay.params_partitioned, axis))
-    return shard_map(body, plan.mesh, in_specs=(in_specs,), out_specs=out_specs, manual_axes={axis})(master)
+    return C.gather_tree(plan, master, _split_not_stored_split(plan), dtype=plan.compute_dtype)
 
 
 def clip_coefficient(norm, clip: float):
@@ -247,12 +230,13 @@ class TrainStep:
     def __call__(self, state: TrainState, batch):
         check_state(self.plan, state)
         check_batch(self.plan, batch)
-        new_state, metrics = self.jitted(state, batch)
+        new_state, metrics = self.jitted(state, batch)  # ``state`` is donated: read only new_state now
         if self.check_errors:
+            at = int(new_state.step) - 1
             code = int(metrics["error"])
             if code == NON_FINITE:
                 err = NonFiniteError(
-                    f"step {int(state.step)}: the loss or a gradient is inf/nan under precision='fp32' "
+                    f"step {at}: the loss or a gradient is inf/nan under precision='fp32' "
                     f"(loss={float(metrics['loss'])}); the update was skipped and the state is unchanged "
                     "(see .state). Check the inputs, lower the learning rate or set gradient_clipping."
                 )
@@ -260,7 +244,7 @@ class TrainStep:
                 raise err
             if code == SCALE_AT_MIN:
                 err = LossScaleError(
-                    f"step {int(state.step)}: fp16 gradients overflowed with the loss scale already at its "
+                    f"step {at}: fp16 gradients overflowed with the loss scale already at its "
                     f"minimum ({self.plan.config.min_loss_scale}); DeepSpeed stops here too. Lower the "
                     "learning rate, lower min_loss_scale, or train in bf16. The state is in .state."
                 )

@@ -6,8 +6,8 @@ dimension divide the device count, and is added or removed here and nowhere else
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 
+from zerojax._compat import shard_map
 from zerojax.plan import LeafLayout, ZeroPlan
 
 
@@ -40,3 +40,37 @@ def local_slice(x, lay: LeafLayout, axis_name: str, n: int):
 
 def all_reduce(g, axis_name: str):
     return jax.lax.psum(g, axis_name)
+
+
+def _data_specs(plan: ZeroPlan, partitioned):
+    return plan.map(lambda lay: lay.data_spec(partitioned(lay), plan.data_axis))
+
+
+def split_tree(plan: ZeroPlan, tree, select):
+    """Whole leaves (identical on every device) -> each device's partition, for the leaves
+    ``select(lay)`` picks; others pass through. Purely local: no communication, and unlike a
+    sharding constraint it leaves the caller's whole arrays unconstrained."""
+    axis, n = plan.data_axis, plan.n
+    if not any(select(lay) for lay in plan.leaves):
+        return tree
+
+    def body(t):
+        return plan.map(lambda lay, x: local_slice(x, lay, axis, n) if select(lay) else x, t)
+
+    return shard_map(body, plan.mesh, in_specs=(_data_specs(plan, lambda lay: False),),
+                     out_specs=_data_specs(plan, select), manual_axes={axis})(tree)
+
+
+def gather_tree(plan: ZeroPlan, tree, select, dtype=None):
+    """Partitions -> whole leaves on every device (one all-gather each, in ``dtype`` when
+    given, so 16-bit params travel in 16 bits) for the leaves ``select(lay)`` picks."""
+    axis = plan.data_axis
+
+    def cast(x):
+        return x if dtype is None else x.astype(dtype)
+
+    def body(t):
+        return plan.map(lambda lay, x: gather(cast(x), lay, axis) if select(lay) else cast(x), t)
+
+    return shard_map(body, plan.mesh, in_specs=(_data_specs(plan, select),),
+                     out_specs=_data_specs(plan, lambda lay: False), manual_axes={axis})(tree)

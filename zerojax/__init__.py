@@ -22,3 +22,30 @@ from zerojax.report import MemoryReport as MemoryReport
 from zerojax.report import memory_report as memory_report
 
 __all__ += ["zero_optimizer", "MemoryReport", "memory_report"]
+from zerojax.deepspeed import IgnoredKeysWarning as IgnoredKeysWarning
+from zerojax.deepspeed import TrainingArgs as TrainingArgs
+from zerojax.deepspeed import optimizer_from_config as optimizer_from_config
+from zerojax.initialize import initialize as initialize
+
+__all__ += ["IgnoredKeysWarning", "TrainingArgs", "optimizer_from_config", "initialize"]
+from zerojax.estimate import estimate as estimate
+from zerojax.estimate import estimate_zero2_model_states_mem_needs as estimate_zero2_model_states_mem_needs
+from zerojax.estimate import (
+    estimate_zero2_model_states_mem_needs_all_cold as estimate_zero2_model_states_mem_needs_all_cold,
+)
+from zerojax.estimate import (
+    estimate_zero2_model_states_mem_needs_all_live as estimate_zero2_model_states_mem_needs_all_live,
+)
+from zerojax.estimate import estimate_zero3_model_states_mem_needs as estimate_zero3_model_states_mem_needs
+from zerojax.estimate import (
+    estimate_zero3_model_states_mem_needs_all_cold as estimate_zero3_model_states_mem_needs_all_cold,
+)
+from zerojax.estimate import (
+    estimate_zero3_model_states_mem_needs_all_live as estimate_zero3_model_states_mem_needs_all_live,
+)
+from zerojax.visualize import visualize as visualize
+
+__all__ += ["estimate", "estimate_zero2_model_states_mem_needs", "estimate_zero2_model_states_mem_needs_all_cold",
+            "estimate_zero2_model_states_mem_needs_all_live", "estimate_zero3_model_states_mem_needs",
+            "estimate_zero3_model_states_mem_needs_all_cold", "estimate_zero3_model_states_mem_needs_all_live",
+            "visualize"]

@@ -69,9 +69,66 @@ def _add_config_check(sub) -> None:
     p.set_defaults(func=_run_config_check)
 
 
+def _count_arg(text: str) -> int:
+    """'7e9', '7B', '125M', '1.5T', '7_000_000' -> a parameter count."""
+    scale = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
+    t = text.strip().replace("_", "").replace(",", "")
+    try:
+        value = float(t[:-1]) * scale[t[-1].upper()] if t and t[-1].upper() in scale else float(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a parameter count; write e.g. 7e9, 7B or 125M")
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: a parameter count must be positive")
+    return int(value)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a whole number >= 1")
+    return value
+
+
+def _run_estimate_memory(args: argparse.Namespace) -> int:
+    from zerojax.estimate import estimate_tables
+
+    largest = args.largest_layer
+    if largest is None:
+        largest = max(1, int(args.params * 0.02))
+        note = ("assumed 2% of the params, about a 7B transformer's embedding; "
+                "pass --largest-layer N (elements of the biggest layer) for your model")
+    elif largest > args.params:
+        raise ConfigError(f"--largest-layer {largest:,} exceeds --params {args.params:,}: pass the element "
+                          "count of the model's biggest layer")
+    else:
+        note = "given"
+    print(f"Model: {args.params:,} params; largest layer {largest:,} params ({note}).")
+    print(f"Hardware: {args.nodes} node(s) x {args.devices} device(s) per node.\n")
+    print(estimate_tables(args.params, largest, args.devices, args.nodes, args.buffer_factor))
+    return 0
+
+
+def _add_estimate_memory(sub) -> None:
+    p = sub.add_parser("memory", help="memory per device for every ZeRO stage and offload choice "
+                                      "(DeepSpeed's estimators), from a parameter count")
+    p.add_argument("--params", type=_count_arg, required=True, help="total parameters, e.g. 7e9 or 7B")
+    p.add_argument("--largest-layer", type=_count_arg, default=None,
+                   help="parameters of the largest layer (stage 3's gathered working set); default 2%% of --params")
+    p.add_argument("--devices", type=_positive_int, default=1,
+                   help="devices (GPUs) per node (DeepSpeed's num_gpus_per_node)")
+    p.add_argument("--nodes", type=_positive_int, default=1, help="number of nodes")
+    p.add_argument("--buffer-factor", type=float, default=1.5,
+                   help="DeepSpeed's additional_buffer_factor for host memory")
+    p.set_defaults(func=_run_estimate_memory)
+
+
 # group -> (help, [functions adding one subcommand each])
 _COMMANDS: dict[str, tuple[str, list[Callable]]] = {
     "config": ("DeepSpeed JSON configs", [_add_config_check]),
+    "estimate": ("memory estimates", [_add_estimate_memory]),
 }
 
 

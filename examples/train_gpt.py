@@ -3,7 +3,7 @@
 The corpus is the source of Python's own standard library (present on every machine),
 read as bytes: a 256-token vocabulary and no download.
 
-    python examples/train_gpt.py                      # ZeRO-2, bf16, 300 steps
+    python examples/train_gpt.py                      # ZeRO-2, bf16, 200 steps
     python examples/train_gpt.py --stage 3 --precision fp32 --steps 100
 """
 import argparse
@@ -49,7 +49,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--stage", type=int, default=2)
     ap.add_argument("--precision", default="bf16", choices=["fp32", "bf16", "fp16"])
-    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--batch", type=int, default=32, help="global batch (sequences per optimizer step)")
     ap.add_argument("--grad-accum", type=int, default=1)
     ap.add_argument("--seq", type=int, default=64)

@@ -452,6 +452,17 @@ def test_optimizer_defaults_are_deepspeed_defaults():
         optimizer_from_config(ZeroConfig())
 
 
+def test_public_names_are_importable_from_zerojax_deepspeed():
+    import zerojax
+    from zerojax import deepspeed
+
+    assert set(deepspeed.__all__) == {"IgnoredKeysWarning", "TrainingArgs", "config_from_deepspeed",
+                                      "optimizer_from_config", "resolve_batch"}
+    for name in deepspeed.__all__:
+        assert getattr(deepspeed, name).__module__.startswith("zerojax.")
+    assert zerojax.optimizer_from_config is deepspeed.optimizer_from_config is optimizer_from_config
+
+
 # --------------------------------------------------------------------------- command line
 def test_cli_prints_the_resolved_config(tmp_path, capsys):
     path = tmp_path / "ds.json"

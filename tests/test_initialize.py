@@ -1,3 +1,4 @@
+import math
 """zj.initialize: DeepSpeed configs in, a state and a step out, trained against plain optax and
 the schedules of REFERENCE.md section 5 (the first step runs at lbi = -1)."""
 import importlib.util
@@ -36,15 +37,6 @@ def train(state, step, data):
     return state, losses, metrics
 
 
-def without_offload(name, config):
-    # The step cannot yet run with state in host memory (see test_offload_configs_train); the
-    # rest of the config (stage 3, gather-on-save, "auto" buckets) is trained here.
-    if name == "zero3_offload":
-        assert (config.offload_optimizer, config.offload_param) == ("cpu", "cpu")
-        return config.replace(offload_optimizer=None, offload_param=None)
-    return config
-
-
 pytestmark = pytest.mark.filterwarnings("ignore::zerojax.IgnoredKeysWarning")  # steps_per_print
 
 
@@ -53,7 +45,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::zerojax.IgnoredKeysWarning")  #
 def test_example_configs_train_like_plain_optax(name, params):
     args = zj.TrainingArgs(**ARGS)
     config = zj.ZeroConfig.from_deepspeed(EXAMPLES / f"{name}.json", args, world_size=8, hidden_size=HIDDEN)
-    state, step = zj.initialize(params, loss_fn, without_offload(name, config), training_args=args)
+    state, step = zj.initialize(params, loss_fn, config, training_args=args)
     assert state.plan.config.train_batch_size == 32 and state.plan.config.stage == config.stage
     data = batches(6, batch_size=32)
     state, losses, metrics = train(state, step, data)
@@ -71,11 +63,8 @@ def test_example_configs_train_like_plain_optax(name, params):
 def test_example_configs_train_in_mixed_precision(name, precision, params):
     args = zj.TrainingArgs(**ARGS, **{precision: True})
     path = EXAMPLES / f"{name}.json"
-    if name == "zero3_offload":
-        config = without_offload(name, zj.ZeroConfig.from_deepspeed(path, args, world_size=8, hidden_size=HIDDEN))
-        state, step = zj.initialize(params, loss_fn, config, training_args=args)
-    else:  # the path itself, resolved by initialize at the mesh's data size
-        state, step = zj.initialize(params, loss_fn, path, training_args=args, hidden_size=HIDDEN)
+    # the path itself, resolved by initialize at the mesh's data size
+    state, step = zj.initialize(params, loss_fn, path, training_args=args, hidden_size=HIDDEN)
     assert state.plan.config.precision == precision
     before = state.full_params()
     data = batches(1, batch_size=32) * 12  # one batch, repeated: the loss has to go down
@@ -87,13 +76,14 @@ def test_example_configs_train_in_mixed_precision(name, precision, params):
     assert max_rel_err(state.full_params(), before) > 1e-3
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError, reason="the step does not yet move offloaded (host-memory) params and optimizer "
-                                       "state to the device; remove this mark when it does")
-def test_offload_configs_train(params):
+def test_offload_configs_train_with_state_in_host_memory(params):
     args = zj.TrainingArgs(**ARGS)
     state, step = zj.initialize(params, loss_fn, EXAMPLES / "zero3_offload.json", training_args=args,
                                 hidden_size=HIDDEN)
-    train(state, step, batches(2, batch_size=32))
+    state, losses, _ = train(state, step, batches(2, batch_size=32))
+    kinds = {x.sharding.memory_kind for x in jax.tree_util.tree_leaves((state.master, state.opt_state[-1]))
+             if x.ndim}
+    assert kinds == {"pinned_host"} and all(map(math.isfinite, losses))
 
 
 def test_offload_keys_are_accepted(params):

@@ -351,6 +351,25 @@ class ZeroPlan:
         lays = self.opt_leaf_layouts(opt_state, stored=False)
         return treedef.unflatten([self._to_storage(lay, x) for lay, x in zip(lays, leaves)])
 
+    # ------------------------------------------------------------- memory kinds
+    @staticmethod
+    def fetch(tree, shardings):
+        """Leaves stored in host memory -> device memory, same partitioning (inside jit)."""
+        def one(x, s):
+            if x is None or s.memory_kind in (None, DEVICE):
+                return x
+            return jax.device_put(x, s.with_memory_kind(DEVICE))
+        return jax.tree_util.tree_map(one, tree, shardings, is_leaf=lambda x: x is None)
+
+    @staticmethod
+    def put_back(tree, shardings):
+        """Leaves whose home is host memory -> back to it (inside jit)."""
+        def one(x, s):
+            if x is None or s.memory_kind in (None, DEVICE):
+                return x
+            return jax.device_put(x, s)
+        return jax.tree_util.tree_map(one, tree, shardings, is_leaf=lambda x: x is None)
+
     # ------------------------------------------------------------- layout changes
     @staticmethod
     def pad(x, lay: LeafLayout):

@@ -29,7 +29,7 @@ from zerojax._compat import shard_map
 from zerojax.plan import ZeroPlan
 from zerojax.precision import LossScaleError, global_norm, tree_all_finite
 from zerojax.stages import collectives as C
-from zerojax.state import TrainState
+from zerojax.state import TrainState, state_shardings
 
 OK, NON_FINITE, SCALE_AT_MIN = 0, 1, 2
 
@@ -163,10 +163,15 @@ def _update_fn(loss_fn: Callable, plan: ZeroPlan, tx, has_aux: bool):
     scaler = cfg.loss_scaler
     fp16 = cfg.precision == "fp16"
     compute_grads = grads_fn(loss_fn, plan, has_aux)
+    homes = state_shardings(plan, tx)
 
     def train_step(state: TrainState, batch):
         scale = state.loss_scale.scale if fp16 else jnp.float32(1.0)
         rng = jax.random.fold_in(state.rng, state.step)
+        # offloaded state lives in host memory between steps and is fetched for use
+        state = state.replace(params=plan.fetch(state.params, homes.params),
+                              master=plan.fetch(state.master, homes.master),
+                              opt_state=plan.fetch(state.opt_state, homes.opt_state))
         grads, loss = compute_grads(state.params, batch, scale, rng)
         grads = jax.tree_util.tree_map(lambda g: g / scale, grads)
         finite = tree_all_finite(grads) & jnp.isfinite(loss)
@@ -189,6 +194,9 @@ def _update_fn(loss_fn: Callable, plan: ZeroPlan, tx, has_aux: bool):
             return state.params, state.master, state.opt_state
 
         params, master, opt_state = jax.lax.cond(skip, keep, apply, None)
+        params = plan.put_back(params, homes.params)
+        master = plan.put_back(master, homes.master)
+        opt_state = plan.put_back(opt_state, homes.opt_state)
         loss_scale = scaler.update(state.loss_scale, ~finite) if fp16 else state.loss_scale
         error = jnp.int32(OK)
         if fp16:

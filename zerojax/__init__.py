@@ -49,3 +49,7 @@ __all__ += ["estimate", "estimate_zero2_model_states_mem_needs", "estimate_zero2
             "estimate_zero2_model_states_mem_needs_all_live", "estimate_zero3_model_states_mem_needs",
             "estimate_zero3_model_states_mem_needs_all_cold", "estimate_zero3_model_states_mem_needs_all_live",
             "visualize"]
+from zerojax.compiled import comm_report as comm_report
+from zerojax.compiled import peak_memory as peak_memory
+
+__all__ += ["comm_report", "peak_memory"]

@@ -42,8 +42,28 @@ def all_reduce(g, axis_name: str):
     return jax.lax.psum(g, axis_name)
 
 
-def _data_specs(plan: ZeroPlan, partitioned):
-    return plan.map(lambda lay: lay.data_spec(partitioned(lay), plan.data_axis))
+def _map_selected(plan: ZeroPlan, tree, select, body, in_partitioned: bool, out_partitioned: bool):
+    """Run ``body(lay, local)`` in a data-manual region on the leaves ``select`` picks; other
+    leaves never enter it (so their own layouts are left exactly as they are)."""
+    axis = plan.data_axis
+    lays = plan.leaves
+    leaves = plan.treedef.flatten_up_to(tree)
+    picked = [i for i, lay in enumerate(lays) if select(lay)]
+    if not picked:
+        return tree
+
+    def spec(lay, partitioned):
+        return lay.data_spec(partitioned, axis)
+
+    def run(xs):
+        return [body(lays[i], x) for i, x in zip(picked, xs)]
+
+    out = shard_map(run, plan.mesh, in_specs=([spec(lays[i], in_partitioned) for i in picked],),
+                    out_specs=[spec(lays[i], out_partitioned) for i in picked],
+                    manual_axes={axis})([leaves[i] for i in picked])
+    for i, x in zip(picked, out):
+        leaves[i] = x
+    return plan.treedef.unflatten(leaves)
 
 
 def split_tree(plan: ZeroPlan, tree, select):
@@ -51,26 +71,15 @@ def split_tree(plan: ZeroPlan, tree, select):
     ``select(lay)`` picks; others pass through. Purely local: no communication, and unlike a
     sharding constraint it leaves the caller's whole arrays unconstrained."""
     axis, n = plan.data_axis, plan.n
-    if not any(select(lay) for lay in plan.leaves):
-        return tree
-
-    def body(t):
-        return plan.map(lambda lay, x: local_slice(x, lay, axis, n) if select(lay) else x, t)
-
-    return shard_map(body, plan.mesh, in_specs=(_data_specs(plan, lambda lay: False),),
-                     out_specs=_data_specs(plan, select), manual_axes={axis})(tree)
+    return _map_selected(plan, tree, select, lambda lay, x: local_slice(x, lay, axis, n), False, True)
 
 
 def gather_tree(plan: ZeroPlan, tree, select, dtype=None):
     """Partitions -> whole leaves on every device (one all-gather each, in ``dtype`` when
-    given, so 16-bit params travel in 16 bits) for the leaves ``select(lay)`` picks."""
+    given, so 16-bit params travel in 16 bits) for the leaves ``select(lay)`` picks; the
+    others are only cast."""
     axis = plan.data_axis
-
-    def cast(x):
-        return x if dtype is None else x.astype(dtype)
-
-    def body(t):
-        return plan.map(lambda lay, x: gather(cast(x), lay, axis) if select(lay) else cast(x), t)
-
-    return shard_map(body, plan.mesh, in_specs=(_data_specs(plan, select),),
-                     out_specs=_data_specs(plan, lambda lay: False), manual_axes={axis})(tree)
+    if dtype is not None:
+        tree = plan.map(lambda lay, x: x if select(lay) else x.astype(dtype), tree)
+    cast = (lambda x: x) if dtype is None else (lambda x: x.astype(dtype))
+    return _map_selected(plan, tree, select, lambda lay, x: gather(cast(x), lay, axis), True, False)

@@ -53,3 +53,9 @@ from zerojax.compiled import comm_report as comm_report
 from zerojax.compiled import peak_memory as peak_memory
 
 __all__ += ["comm_report", "peak_memory"]
+from zerojax.stages.stage3 import gather as gather
+
+__all__ += ["gather"]
+from zerojax.state import abstract_train_state as abstract_train_state
+
+__all__ += ["abstract_train_state"]

@@ -43,3 +43,12 @@ def mesh_from_devices(devices: np.ndarray, axis_names) -> Mesh:
     if _AUTO is not None:
         return Mesh(devices, tuple(axis_names), axis_types=(_AUTO,) * len(axis_names))
     return Mesh(devices, tuple(axis_names))  # pragma: no cover
+
+
+def primitives():
+    """The control-flow and call primitives the stage-3 program rewriter looks inside."""
+    from jax.extend.core import primitives as p
+
+    jit_p = getattr(p, "jit_p", None) or getattr(p, "pjit_p", None)
+    calls = tuple(x for x in (jit_p, getattr(p, "closed_call_p", None), getattr(p, "core_call_p", None)) if x)
+    return {"scan": p.scan_p, "while": p.while_p, "calls": calls}

@@ -55,7 +55,7 @@ def _group_size(line: str) -> int:
 
 @dataclasses.dataclass
 class _Comp:
-    own: Dict[str, list] = dataclasses.field(default_factory=lambda: defaultdict(lambda: [0, 0]))
+    own: Dict[str, list] = dataclasses.field(default_factory=lambda: defaultdict(lambda: [0, 0, 0]))
     largest_all_reduce: int = 0
     calls: list = dataclasses.field(default_factory=list)  # (multiplier or 'branch', [callees])
 
@@ -83,9 +83,10 @@ def _parse(hlo: str):
                 elems, nbytes = elems * g, nbytes * g
             elif kind == "all-reduce":
                 cur.largest_all_reduce = max(cur.largest_all_reduce, max((a[0] for a in arrays), default=0))
-                nbytes *= 2
+                elems, nbytes = elems * 2, nbytes * 2
             cur.own[kind][0] += 1
             cur.own[kind][1] += nbytes
+            cur.own[kind][2] += elems
         callees = [name for _, name in _CALLS.findall(line)]
         b = _BRANCHES.search(line)
         if b:
@@ -102,15 +103,15 @@ def _totals(comps, name, memo):
     if name in memo:
         return memo[name]
     comp = comps.get(name)
-    out = (defaultdict(lambda: [0, 0]), 0)
+    out = (defaultdict(lambda: [0, 0, 0]), 0)
     if comp is None:
         memo[name] = out
         return out
-    totals = defaultdict(lambda: [0, 0])
+    totals = defaultdict(lambda: [0, 0, 0])
     largest = comp.largest_all_reduce
-    for kind, (count, nbytes) in comp.own.items():
-        totals[kind][0] += count
-        totals[kind][1] += nbytes
+    for kind, vals in comp.own.items():
+        for i, v in enumerate(vals):
+            totals[kind][i] += v
     for mult, callees in comp.calls:
         subs = [_totals(comps, c, memo) for c in callees]
         if mult == "branch":  # exclusive branches: count the heaviest
@@ -118,42 +119,51 @@ def _totals(comps, name, memo):
             mult = 1
         for sub, sub_largest in subs:
             largest = max(largest, sub_largest)
-            for kind, (count, nbytes) in sub.items():
-                totals[kind][0] += mult * count
-                totals[kind][1] += mult * nbytes
+            for kind, vals in sub.items():
+                for i, v in enumerate(vals):
+                    totals[kind][i] += mult * v
     memo[name] = (totals, largest)
     return memo[name]
 
 
 @dataclasses.dataclass
 class CommReport:
-    """Collectives of one compiled step, per device: ``kinds[kind] = (count, bytes)``."""
+    """Collectives of one compiled step, per device: ``kinds[kind] = (count, bytes, elements)``.
+
+    ``ratio`` compares *elements* with ZeRO's theory, so it holds whatever width the backend
+    moves them in (the CPU backend widens 16-bit collectives to f32; GPUs move them as is).
+    """
 
     kinds: Dict[str, tuple]
     largest_all_reduce: int  # elements of the biggest all-reduce buffer
-    theory_bytes: Optional[float] = None
+    theory_elements: Optional[float] = None
     theory_label: str = ""
 
     @property
     def total_bytes(self) -> int:
-        return sum(b for _, b in self.kinds.values())
+        return sum(v[1] for v in self.kinds.values())
+
+    @property
+    def total_elements(self) -> int:
+        return sum(v[2] for v in self.kinds.values())
 
     @property
     def ratio(self) -> Optional[float]:
-        return self.total_bytes / self.theory_bytes if self.theory_bytes else None
+        return self.total_elements / self.theory_elements if self.theory_elements else None
 
     def count(self, kind: str) -> int:
-        return self.kinds.get(kind, (0, 0))[0]
+        return self.kinds.get(kind, (0, 0, 0))[0]
 
     def __str__(self) -> str:
-        lines = [f"{'collective':<20}{'count':>8}{'MiB/device':>14}"]
+        lines = [f"{'collective':<20}{'count':>8}{'M elements':>12}{'MiB/device':>12}"]
         for kind in _KINDS:
             if kind in self.kinds:
-                c, b = self.kinds[kind]
-                lines.append(f"{kind:<20}{c:>8}{b / 2**20:>14.3f}")
-        lines.append(f"{'total':<20}{'':>8}{self.total_bytes / 2**20:>14.3f}")
-        if self.theory_bytes:
-            lines.append(f"theory {self.theory_label}: {self.theory_bytes / 2**20:.3f} MiB -> ratio {self.ratio:.3f}")
+                c, b, e = self.kinds[kind]
+                lines.append(f"{kind:<20}{c:>8}{e / 1e6:>12.3f}{b / 2**20:>12.3f}")
+        lines.append(f"{'total':<20}{'':>8}{self.total_elements / 1e6:>12.3f}{self.total_bytes / 2**20:>12.3f}")
+        if self.theory_elements:
+            lines.append(f"theory {self.theory_label} = {self.theory_elements / 1e6:.3f} M elements -> "
+                         f"ratio {self.ratio:.3f}")
         return "\n".join(lines)
 
 
@@ -164,20 +174,17 @@ def collectives(hlo_text: str) -> CommReport:
     return CommReport({k: tuple(v) for k, v in totals.items() if v[0]}, largest)
 
 
-def theory_bytes(plan, gas: int = 1) -> tuple:
-    """ZeRO's per-device volume per optimizer step, in the gradient (compute) dtype.
+def theory_elements(plan, gas: int = 1) -> tuple:
+    """ZeRO's per-device volume per optimizer step, in elements.
 
     stages 0 and 1 reduce once per step (2Ψ); stage 2 reduce-scatters each micro-batch and
     gathers once ((GAS + 1)Ψ); stage 3 gathers for forward and backward and reduce-scatters,
     per micro-batch (3Ψ·GAS).
     """
-    import numpy as np
-
     psi = sum(lay.size for lay in plan.leaves)
-    item = np.dtype(plan.compute_dtype).itemsize
     factor = {0: 2, 1: 2, 2: gas + 1, 3: 3 * gas}[plan.stage]
     label = {0: "2Ψ", 1: "2Ψ", 2: f"{gas + 1}Ψ", 3: f"{3 * gas}Ψ"}[plan.stage]
-    return factor * psi * item, label
+    return factor * psi, label
 
 
 def _compiled(step, state, batch):
@@ -187,7 +194,7 @@ def _compiled(step, state, batch):
 def comm_report(step, state, batch) -> CommReport:
     """Collectives per optimizer step of ``step`` on (state, batch), next to ZeRO's theory."""
     report = collectives(_compiled(step, state, batch).as_text())
-    report.theory_bytes, report.theory_label = theory_bytes(state.plan, state.plan.config.gradient_accumulation_steps)
+    report.theory_elements, report.theory_label = theory_elements(state.plan, state.plan.config.gradient_accumulation_steps)
     return report
 
 
@@ -218,4 +225,4 @@ def peak_memory(step, state, batch) -> PeakMemory:
                       m.alias_size_in_bytes, getattr(m, "host_temp_size_in_bytes", 0))
 
 
-__all__ = ["CommReport", "PeakMemory", "collectives", "comm_report", "peak_memory", "theory_bytes"]
+__all__ = ["CommReport", "PeakMemory", "collectives", "comm_report", "peak_memory", "theory_elements"]

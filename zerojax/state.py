@@ -135,6 +135,38 @@ def shard_train_state(
     )
 
 
+def abstract_train_state(params_or_init, tx: optax.GradientTransformation, *, mesh=None,
+                         config: Optional[ZeroConfig] = None, param_specs=None) -> TrainState:
+    """The TrainState ``shard_train_state`` would build, as ShapeDtypeStructs with shardings.
+
+    Nothing is allocated: use it to lower and compile a step (``step.lower(abstract, batch)``),
+    for ``zj.comm_report``/``zj.peak_memory`` on models that do not fit this machine.
+    """
+    mesh = make_mesh() if mesh is None else mesh
+    config = ZeroConfig() if config is None else config
+    if callable(params_or_init):
+        params_or_init = jax.eval_shape(params_or_init, jax.random.PRNGKey(0))
+    plan = ZeroPlan.create(params_or_init, mesh, config, param_specs=param_specs)
+    sh = state_shardings(plan, tx)
+    abstract_full = plan.map(lambda lay: jax.ShapeDtypeStruct(lay.shape, lay.dtype))
+    params, master, opt_state = jax.eval_shape(_build_fn(plan, tx), abstract_full)
+    scaler = jax.eval_shape(config.loss_scaler.init)
+
+    def attach(tree, shardings):
+        return jax.tree_util.tree_map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+    return TrainState(
+        step=jax.ShapeDtypeStruct((), jnp.int32, sharding=sh.step),
+        params=attach(params, sh.params),
+        master=attach(master, sh.master) if master is not None else None,
+        opt_state=attach(opt_state, sh.opt_state),
+        loss_scale=attach(scaler, sh.loss_scale),
+        rng=jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=sh.rng),
+        plan=plan,
+        tx=tx,
+    )
+
+
 def unshard_params(state: TrainState, dtype=None):
     """Logical params (unpadded) gathered by XLA; dtype defaults to the user's original dtypes."""
     plan = state.plan

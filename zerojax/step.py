@@ -29,6 +29,7 @@ from zerojax._compat import shard_map
 from zerojax.plan import ZeroPlan
 from zerojax.precision import LossScaleError, global_norm, tree_all_finite
 from zerojax.stages import collectives as C
+from zerojax.stages.stage3 import gathered_loss
 from zerojax.state import TrainState, state_shardings
 
 OK, NON_FINITE, SCALE_AT_MIN = 0, 1, 2
@@ -78,9 +79,30 @@ def grads_fn(loss_fn: Callable, plan: ZeroPlan, has_aux: bool = False):
     cdt = plan.compute_dtype
     takes_rng = _loss_arity(loss_fn) >= 3
     f32 = jnp.float32
+    stage3_loss = gathered_loss(loss_fn, plan, takes_rng) if any(lay.params_partitioned for lay in plan.leaves) else None
 
     def per_micro(lay):  # reduce this leaf's gradient after every micro-batch?
         return not lay.params_partitioned and plan.stage >= 2 and plan.grad_partitioned(lay)
+
+    def reduce_some(tree, select):
+        """Reduce-scatter the leaves ``select`` picks, in buckets of reduce_bucket_size."""
+        lays, leaves = plan.leaves, plan.treedef.flatten_up_to(tree)
+        picked = [i for i, lay in enumerate(lays) if select(lay)]
+        if picked:
+            out = C.bucketed_reduce_scatter([leaves[i] for i in picked], [lays[i] for i in picked], axis, n,
+                                            int(cfg.reduce_bucket_size))
+            for i, x in zip(picked, out):
+                leaves[i] = x
+        return plan.treedef.unflatten(leaves)
+
+    def all_reduce_some(tree, select):
+        lays, leaves = plan.leaves, plan.treedef.flatten_up_to(tree)
+        picked = [i for i, lay in enumerate(lays) if select(lay)]
+        for group in C.buckets([lays[i].size for i in picked], int(cfg.reduce_bucket_size)):
+            members = [picked[j] for j in group]
+            for i, x in zip(members, jax.lax.psum([leaves[i] for i in members], axis)):
+                leaves[i] = x
+        return plan.treedef.unflatten(leaves)
 
     def acc_shape(lay):
         if lay.params_partitioned or per_micro(lay):
@@ -91,8 +113,10 @@ def grads_fn(loss_fn: Callable, plan: ZeroPlan, has_aux: bool = False):
         mbs = jax.tree_util.tree_map(lambda x: x.reshape((gas, x.shape[0] // gas) + x.shape[1:]), batch)
 
         def loss_of(p, mb, key):
-            full = plan.map(lambda lay, x: C.gather(x, lay, axis) if lay.params_partitioned else x, p)
-            out = loss_fn(full, mb, key) if takes_rng else loss_fn(full, mb)
+            if stage3_loss is not None:
+                out = stage3_loss(p, mb, key)
+            else:
+                out = loss_fn(p, mb, key) if takes_rng else loss_fn(p, mb)
             loss = out[0] if has_aux else out
             return loss.astype(f32) * scale, loss.astype(f32)
 
@@ -101,22 +125,24 @@ def grads_fn(loss_fn: Callable, plan: ZeroPlan, has_aux: bool = False):
             mb, i = xs
             key = jax.random.fold_in(jax.random.fold_in(rng, jax.lax.axis_index(axis)), i)
             g, loss = jax.grad(loss_of, has_aux=True)(params, mb, key)
-            g = plan.map(lambda lay, x: C.reduce_scatter(x, lay, axis) if per_micro(lay) else x, g)
+            g = reduce_some(g, per_micro)
             acc = jax.tree_util.tree_map(lambda a, x: a + x.astype(f32), acc, g)
             return (acc, loss_sum + loss), None
 
         acc0 = plan.map(lambda lay: jnp.zeros(acc_shape(lay), f32))
         (acc, loss_sum), _ = jax.lax.scan(micro, (acc0, jnp.zeros((), f32)), (mbs, jnp.arange(gas)))
 
-        def finish(lay, a):
-            if lay.params_partitioned or per_micro(lay):
-                return a
-            a = a.astype(cdt)  # communicate in the gradient dtype
-            if plan.grad_partitioned(lay):
-                return C.reduce_scatter(a, lay, axis).astype(f32)
-            return C.all_reduce(a, axis).astype(f32)
+        def at_end_rs(lay):  # stage 1: one reduce-scatter per optimizer step
+            return not lay.params_partitioned and not per_micro(lay) and plan.grad_partitioned(lay)
 
-        grads = plan.map(finish, acc)
+        def at_end_ar(lay):  # stage 0 (and leaves that cannot be split): one all-reduce
+            return not lay.params_partitioned and not per_micro(lay) and not plan.grad_partitioned(lay)
+
+        # communicate in the gradient dtype
+        grads = plan.map(lambda lay, a: a.astype(cdt) if at_end_rs(lay) or at_end_ar(lay) else a, acc)
+        grads = reduce_some(grads, at_end_rs)
+        grads = all_reduce_some(grads, at_end_ar)
+        grads = jax.tree_util.tree_map(lambda g: g.astype(f32), grads)
         denom = f32(n * gas)
         grads = jax.tree_util.tree_map(lambda g: g / denom, grads)
         return grads, jax.lax.psum(loss_sum, axis) / denom

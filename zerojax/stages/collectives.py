@@ -6,6 +6,7 @@ dimension divide the device count, and is added or removed here and nowhere else
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from zerojax._compat import shard_map
 from zerojax.plan import LeafLayout, ZeroPlan
@@ -66,6 +67,23 @@ def _map_selected(plan: ZeroPlan, tree, select, body, in_partitioned: bool, out_
     return plan.treedef.unflatten(leaves)
 
 
+def _map_selected_all(plan: ZeroPlan, tree, select, body, in_partitioned: bool, out_partitioned: bool):
+    """Like ``_map_selected`` but ``body(lays, locals)`` sees all picked leaves at once."""
+    axis = plan.data_axis
+    lays = plan.leaves
+    leaves = plan.treedef.flatten_up_to(tree)
+    picked = [i for i, lay in enumerate(lays) if select(lay)]
+    if not picked:
+        return tree
+    out = shard_map(lambda xs: body([lays[i] for i in picked], xs), plan.mesh,
+                    in_specs=([lays[i].data_spec(in_partitioned, axis) for i in picked],),
+                    out_specs=[lays[i].data_spec(out_partitioned, axis) for i in picked],
+                    manual_axes={axis})([leaves[i] for i in picked])
+    for i, x in zip(picked, out):
+        leaves[i] = x
+    return plan.treedef.unflatten(leaves)
+
+
 def split_tree(plan: ZeroPlan, tree, select):
     """Whole leaves (identical on every device) -> each device's partition, for the leaves
     ``select(lay)`` picks; others pass through. Purely local: no communication, and unlike a
@@ -75,11 +93,89 @@ def split_tree(plan: ZeroPlan, tree, select):
 
 
 def gather_tree(plan: ZeroPlan, tree, select, dtype=None):
-    """Partitions -> whole leaves on every device (one all-gather each, in ``dtype`` when
-    given, so 16-bit params travel in 16 bits) for the leaves ``select(lay)`` picks; the
-    others are only cast."""
+    """Partitions -> whole leaves on every device, in buckets of ``allgather_bucket_size``
+    elements (in ``dtype`` when given, so 16-bit params travel in 16 bits), for the leaves
+    ``select(lay)`` picks; the others are only cast."""
     axis = plan.data_axis
     if dtype is not None:
         tree = plan.map(lambda lay, x: x if select(lay) else x.astype(dtype), tree)
     cast = (lambda x: x) if dtype is None else (lambda x: x.astype(dtype))
-    return _map_selected(plan, tree, select, lambda lay, x: gather(cast(x), lay, axis), True, False)
+    return _map_selected_all(plan, tree, select, lambda lays, xs: bucketed_gather(
+        [cast(x) for x in xs], lays, axis, plan.n, int(plan.config.allgather_bucket_size)), True, False)
+
+
+# ------------------------------------------------------------------------------ buckets
+def buckets(sizes, limit: int):
+    """Greedy groups of consecutive indices whose sizes add up to at most ``limit``
+    (a single item larger than the limit is a bucket of its own)."""
+    out, cur, total = [], [], 0
+    for i, size in enumerate(sizes):
+        if cur and total + size > limit:
+            out.append(cur)
+            cur, total = [], 0
+        cur.append(i)
+        total += size
+    if cur:
+        out.append(cur)
+    return out
+
+
+def _rows(x, lay: LeafLayout, n: int):
+    """Padded leaf -> (n, chunk): row d is device d's partition."""
+    return jnp.moveaxis(ZeroPlan.pad(x, lay), lay.axis, 0).reshape(n, -1)
+
+
+def _unrow(flat, lay: LeafLayout, n: int):
+    """One device's flat partition -> its shard in the leaf's layout."""
+    moved = list(lay.storage_shape)
+    moved.insert(0, moved.pop(lay.axis))
+    moved[0] //= n
+    return jnp.moveaxis(flat.reshape(moved), 0, lay.axis)
+
+
+def bucketed_reduce_scatter(grads, lays, axis_name: str, n: int, bucket_size: int):
+    """Whole local gradients -> this device's shards of their sums, one reduce-scatter per
+    bucket of at most ``bucket_size`` elements (per dtype)."""
+    out = [None] * len(grads)
+    for dtype in sorted({g.dtype for g in grads}, key=str):
+        idx = [i for i, g in enumerate(grads) if g.dtype == dtype]
+        for group in buckets([lays[i].size for i in idx], bucket_size):
+            members = [idx[j] for j in group]
+            if len(members) == 1:
+                i = members[0]
+                out[i] = reduce_scatter(grads[i], lays[i], axis_name)
+                continue
+            rows = [_rows(grads[i], lays[i], n) for i in members]
+            flat = jax.lax.psum_scatter(jnp.concatenate(rows, axis=1), axis_name, scatter_dimension=0, tiled=True)
+            flat = flat.reshape(-1)
+            offset = 0
+            for i, r in zip(members, rows):
+                width = r.shape[1]
+                out[i] = _unrow(flat[offset:offset + width], lays[i], n)
+                offset += width
+    return out
+
+
+def bucketed_gather(shards, lays, axis_name: str, n: int, bucket_size: int):
+    """This device's shards -> whole (unpadded) leaves, one all-gather per bucket."""
+    out = [None] * len(shards)
+    for dtype in sorted({s.dtype for s in shards}, key=str):
+        idx = [i for i, s in enumerate(shards) if s.dtype == dtype]
+        for group in buckets([lays[i].size for i in idx], bucket_size):
+            members = [idx[j] for j in group]
+            if len(members) == 1:
+                i = members[0]
+                out[i] = gather(shards[i], lays[i], axis_name)
+                continue
+            flats = [jnp.moveaxis(shards[i], lays[i].axis, 0).reshape(-1) for i in members]
+            rows = jax.lax.all_gather(jnp.concatenate(flats), axis_name, axis=0, tiled=False)  # (n, total)
+            offset = 0
+            for i, f in zip(members, flats):
+                lay = lays[i]
+                piece = rows[:, offset:offset + f.size]
+                moved = list(lay.storage_shape)
+                moved.insert(0, moved.pop(lay.axis))
+                full = jnp.moveaxis(piece.reshape(moved), 0, lay.axis)
+                out[i] = ZeroPlan.unpad(full, lay)
+                offset += f.size
+    return out

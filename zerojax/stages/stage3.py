@@ -1,0 +1,376 @@
+"""Stage 3: parameters gathered just in time, inside the user's (black-box) loss.
+
+The loss is traced once with whole params, then re-played with each partitioned param
+standing in as a *lazy* value (its local shard). Operations on params alone (a transpose, a
+cast) stay lazy. At the first operation that meets an activation (a *use site*) the param is
+all-gathered; a Python loop over layers therefore gathers layer by layer. In a ``lax.scan``
+over stacked layers the per-layer slice stays lazy and is gathered inside the loop body;
+nested ``jit`` calls are entered; a ``fori_loop``/``while_loop`` that takes one layer of a
+stacked param with a dynamic slice is handled likewise. Anything else gathers at the use.
+
+Each use site is a custom-VJP function whose residuals are the local shards and the
+activations, never the gathered params: the backward pass gathers each param again right
+where it is needed (and not at all where the derivative does not read it, e.g. an
+embedding lookup or a bias add), and the gradient leaves through the gather's transpose, one
+reduce-scatter per param however many times it is used (tied embeddings included). That is
+ZeRO's 3Ψ with at most a few layers' params alive at a time.
+
+Gathers are tied to the activation of the moment (``shard + 0 * a``; the compiler may not drop
+it), so they are neither hoisted out of the micro-batch loop nor merged with the backward
+gathers. When a param is first needed, the gathers of the params used next (up to
+``prefetch_bucket_size`` elements) are issued at the same point, ahead of the compute.
+
+A model may mark a point itself with ``zj.gather(params)``: outside a stage-3 step it is the
+identity; inside, the params are gathered there.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, List, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+from jax.extend.core import Literal, jaxpr_as_fun
+
+from zerojax._compat import primitives
+from zerojax.plan import LeafLayout, ZeroPlan
+from zerojax.stages import collectives as C
+
+MARK = "zerojax_gather"
+
+
+def gather(tree):
+    """Mark where a stage-3 step should gather ``tree``'s params (the identity otherwise)."""
+    return jax.tree_util.tree_map(lambda x: checkpoint_name(x, MARK), tree)
+
+
+def _tie(x, anchor):
+    """``x`` made to depend on ``anchor`` without changing its value."""
+    if anchor is None:
+        return x
+    a = jnp.ravel(anchor)[0] if anchor.ndim else anchor
+    if not jnp.issubdtype(a.dtype, jnp.floating):
+        a = a.astype(jnp.float32)
+    return x + jnp.zeros((), x.dtype) * jax.lax.stop_gradient(a).astype(x.dtype)
+
+
+class Base:
+    """A partitioned param not gathered yet: its local shard, layout and forward gather."""
+
+    __slots__ = ("shard", "lay", "full", "axis_name")
+
+    def __init__(self, shard, lay: LeafLayout, axis_name: str):
+        self.shard, self.lay, self.full, self.axis_name = shard, lay, None, axis_name
+
+    def gather_forward(self, anchor):
+        if self.full is None:
+            # the gather's transpose is the reduce-scatter: all use sites' cotangents are
+            # summed first, so a tied param is reduced once
+            self.full = C.gather(_tie(self.shard, anchor), self.lay, self.axis_name)
+        return self.full
+
+
+@dataclasses.dataclass
+class Lazy:
+    """A value computed from params alone: ``fn(*whole params of sources)``."""
+
+    sources: tuple  # Base, in order
+    fn: Callable
+
+    @classmethod
+    def of(cls, base: Base) -> "Lazy":
+        return cls((base,), lambda full: full)
+
+    @property
+    def is_param(self) -> bool:
+        return len(self.sources) == 1 and self.fn is not None and getattr(self.fn, "_identity", False)
+
+
+def _identity(full):
+    return full
+
+
+_identity._identity = True
+
+
+def _param(base: Base) -> Lazy:
+    return Lazy((base,), _identity)
+
+
+def _bind(eqn, invals):
+    params = eqn.primitive.get_bind_params(eqn.params)
+    if isinstance(params, tuple):  # older jax: (subfuns, params)
+        subfuns, params = params
+        invals = list(subfuns) + list(invals)
+    with eqn.ctx.manager:
+        out = eqn.primitive.bind(*invals, **params)
+    return out if eqn.primitive.multiple_results else [out]
+
+
+def _is_float(x) -> bool:
+    return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)
+
+
+def _use_site(eqn, invals: list, anchor):
+    """Apply ``eqn`` where some inputs are lazy: gather-once forward, re-gather in backward."""
+    bases: List[Base] = []
+    for x in invals:
+        if isinstance(x, Lazy):
+            for b in x.sources:
+                if all(b is not c for c in bases):
+                    bases.append(b)
+    lazy_pos = [i for i, x in enumerate(invals) if isinstance(x, Lazy)]
+    other_pos = [i for i, x in enumerate(invals) if not isinstance(x, Lazy)]
+    diff_pos = [i for i in other_pos if _is_float(invals[i])]
+    const_pos = [i for i in other_pos if not _is_float(invals[i])]
+
+    def apply(fulls, diffs, consts):
+        vals = list(invals)
+        for i in lazy_pos:
+            lz = invals[i]
+            vals[i] = lz.fn(*[fulls[next(k for k, b in enumerate(bases) if b is s)] for s in lz.sources])
+        for i, v in zip(diff_pos, diffs):
+            vals[i] = v
+        for i, v in zip(const_pos, consts):
+            vals[i] = v
+        return _bind(eqn, vals)
+
+    @jax.custom_vjp
+    def site(fulls, shards, diffs, consts):
+        return apply(fulls, diffs, consts)
+
+    def fwd(fulls, shards, diffs, consts):
+        # residuals: shards and activations only, never the gathered params
+        return apply(fulls, diffs, consts), (shards, diffs, consts)
+
+    def bwd(res, ct):
+        shards, diffs, consts = res
+        ct_anchor = next((c for c in ct if hasattr(c, "dtype") and _is_float(c)), None)
+        fulls = [C.gather(_tie(s, ct_anchor), b.lay, b.axis_name) for s, b in zip(shards, bases)]
+        _, vjp = jax.vjp(lambda f, d: apply(f, d, consts), fulls, diffs)
+        d_fulls, d_diffs = vjp(ct)
+        return d_fulls, [None] * len(shards), d_diffs, [None] * len(consts)
+
+    site.defvjp(fwd, bwd)
+    fulls = [b.gather_forward(anchor) for b in bases]
+    shards = [jax.lax.stop_gradient(b.shard) for b in bases]
+    return site(fulls, shards, [invals[i] for i in diff_pos], [invals[i] for i in const_pos])
+
+
+def _inner(lay: LeafLayout) -> LeafLayout:
+    """Layout of one slice along dim 0 of a stacked param (split along a later dim)."""
+    return dataclasses.replace(lay, path=lay.path + "[i]", shape=lay.shape[1:], base_spec=lay.base_spec[1:],
+                               axis=lay.axis - 1)
+
+
+def _anchor(vals):
+    """An activation the current operation reads (floating point preferred, e.g. not token ids)."""
+    arrays = [v for v in vals if not isinstance(v, Lazy) and isinstance(v, jax.core.Tracer)]
+    return next((v for v in arrays if _is_float(v)), arrays[0] if arrays else None)
+
+
+class _Interpreter:
+    def __init__(self, axis_name: str, prefetch: int):
+        self.axis_name = axis_name
+        self.prefetch = prefetch
+        self.prims = primitives()
+
+    def base(self, shard, lay: LeafLayout) -> Lazy:
+        return _param(Base(shard, lay, self.axis_name))
+
+    # ------------------------------------------------------------------ the replay
+    def run(self, jaxpr, consts, args):
+        env = {}
+
+        def read(v):
+            return v.val if isinstance(v, Literal) else env[v]
+
+        for v, x in zip(jaxpr.constvars, consts):
+            env[v] = x
+        for v, x in zip(jaxpr.invars, args):
+            env[v] = x
+        order = self._first_use_order(jaxpr, env)
+        for eqn in jaxpr.eqns:
+            invals = [read(v) for v in eqn.invars]
+            if any(isinstance(x, Lazy) for x in invals):
+                outvals = self._lazy_eqn(eqn, invals, order)
+            else:
+                outvals = _bind(eqn, invals)
+            for v, x in zip(eqn.outvars, outvals):
+                env[v] = x
+        outs = [read(v) for v in jaxpr.outvars]
+        return [self.materialize(x, None) if isinstance(x, Lazy) else x for x in outs]
+
+    @staticmethod
+    def _first_use_order(jaxpr, env) -> List[Base]:
+        order = []
+        for eqn in jaxpr.eqns:
+            for v in eqn.invars:
+                if isinstance(v, Literal) or v not in env or not isinstance(env[v], Lazy):
+                    continue
+                for b in env[v].sources:
+                    if all(b is not c for c in order):
+                        order.append(b)
+        return order
+
+    def materialize(self, x: Lazy, anchor):
+        """A lazy value as a plain (differentiable) value, through a use site of its own."""
+        fake = _Identity()
+        return _use_site(fake, [x], anchor)[0]
+
+    def _prefetch(self, invals, order: Sequence[Base], anchor):
+        bases = [b for x in invals if isinstance(x, Lazy) for b in x.sources]
+        if not bases or not order:
+            return
+        last = max((order.index(b) for b in bases if b in order), default=-1)
+        budget = self.prefetch
+        for nxt in order[last + 1:]:
+            if nxt.full is not None:
+                continue
+            if budget < nxt.lay.size:
+                break
+            budget -= nxt.lay.size
+            nxt.gather_forward(anchor)
+
+    def _lazy_eqn(self, eqn, invals, order):
+        prim = eqn.primitive
+        anchor = _anchor(invals)
+        if prim.name == "name" and eqn.params.get("name") == MARK:  # zj.gather: gather here
+            return [self.materialize(invals[0], anchor)]
+        if prim is self.prims["scan"]:
+            return self._scan(eqn, invals, anchor)
+        if prim is self.prims["while"]:
+            return self._while(eqn, invals, anchor)
+        if prim in self.prims["calls"]:
+            closed = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr")
+            if closed is not None and hasattr(closed, "jaxpr"):
+                return self.run(closed.jaxpr, closed.consts, invals)
+        sliced = self._layer_slice(eqn, invals)
+        if sliced is not None:
+            return sliced
+        if prim.multiple_results or any(not isinstance(x, Lazy) and not _is_literal_like(x) for x in invals):
+            self._prefetch(invals, order, anchor)
+            return _use_site(eqn, invals, anchor)
+        # params alone (transpose, cast, reshape...): stay lazy, computed at the use site
+        bases, fns = [], []
+        for x in invals:
+            if isinstance(x, Lazy):
+                for b in x.sources:
+                    if all(b is not c for c in bases):
+                        bases.append(b)
+
+        def fn(*fulls, _invals=tuple(invals), _bases=tuple(bases)):
+            vals = [x.fn(*[fulls[_bases.index(s)] for s in x.sources]) if isinstance(x, Lazy) else x
+                    for x in _invals]
+            return _bind(eqn, vals)[0]
+
+        return [Lazy(tuple(bases), fn)]
+
+    def _layer_slice(self, eqn, invals) -> Optional[list]:
+        """One layer of a stacked param (dynamic_slice of size 1 on dim 0, then squeeze)."""
+        x = invals[0]
+        if not isinstance(x, Lazy) or not x.is_param:
+            return None
+        base = x.sources[0]
+        lay = base.lay
+        name = eqn.primitive.name
+        if name == "dynamic_slice" and lay.axis != 0:
+            sizes = tuple(eqn.params["slice_sizes"])
+            if sizes[0] == 1 and sizes[1:] == lay.shape[1:]:
+                local = jax.lax.dynamic_slice_in_dim(base.shard, invals[1], 1, axis=0)
+                return [self.base(local, dataclasses.replace(lay, shape=(1,) + lay.shape[1:]))]
+        if name in ("squeeze", "reshape") and lay.shape and lay.shape[0] == 1 and lay.axis != 0:
+            if tuple(eqn.outvars[0].aval.shape) == lay.shape[1:]:
+                return [self.base(base.shard.reshape(base.shard.shape[1:]), _inner(lay))]
+        return None
+
+    def _plain(self, x, anchor):
+        return self.materialize(x, anchor) if isinstance(x, Lazy) else x
+
+    def _scan(self, eqn, invals, anchor):
+        p = eqn.params
+        nc, ncarry = p["num_consts"], p["num_carry"]
+        consts = [self._plain(x, anchor) for x in invals[:nc]]
+        carry = [self._plain(x, anchor) for x in invals[nc:nc + ncarry]]
+        xs_in = invals[nc + ncarry:]
+        layouts = {i: _inner(x.sources[0].lay) for i, x in enumerate(xs_in)
+                   if isinstance(x, Lazy) and x.is_param and x.sources[0].lay.axis != 0}
+        xs = [x.sources[0].shard if i in layouts else self._plain(x, anchor) for i, x in enumerate(xs_in)]
+        body = p["jaxpr"]
+
+        def step(c, x):
+            x = [self.base(v, layouts[i]) if i in layouts else v for i, v in enumerate(x)]
+            out = self.run(body.jaxpr, body.consts, consts + list(c) + x)
+            return out[:ncarry], out[ncarry:]
+
+        carry, ys = jax.lax.scan(step, carry, xs, length=p["length"], reverse=p["reverse"], unroll=p["unroll"])
+        return list(carry) + list(ys)
+
+    def _while(self, eqn, invals, anchor):
+        p = eqn.params
+        cn, bn = p["cond_nconsts"], p["body_nconsts"]
+        cond_consts = [self._plain(x, anchor) for x in invals[:cn]]
+        body_in = invals[cn:cn + bn]
+        init = [self._plain(x, anchor) for x in invals[cn + bn:]]
+        keep = [isinstance(x, Lazy) and x.is_param for x in body_in]
+        shards = [x.sources[0].shard if k else self._plain(x, anchor) for x, k in zip(body_in, keep)]
+        lays = [x.sources[0].lay if k else None for x, k in zip(body_in, keep)]
+        cond_j, body_j = p["cond_jaxpr"], p["body_jaxpr"]
+
+        def cond(c):
+            return jaxpr_as_fun(cond_j)(*cond_consts, *c)[0]
+
+        def body(c):
+            consts = [self.base(s, lay) if lay is not None else s for s, lay in zip(shards, lays)]
+            return self.run(body_j.jaxpr, body_j.consts, consts + list(c))
+
+        return list(jax.lax.while_loop(cond, body, list(init)))
+
+
+class _Identity:
+    """A stand-in equation: the identity on one input (used to materialize a lazy value)."""
+
+    class primitive:  # noqa: N801 - mimics an equation's primitive
+        multiple_results = True
+
+        @staticmethod
+        def get_bind_params(params):
+            return {}
+
+        @staticmethod
+        def bind(x):
+            return [x]
+
+    params: dict = {}
+
+    class ctx:  # noqa: N801
+        import contextlib
+
+        manager = contextlib.nullcontext()
+
+
+def _is_literal_like(x) -> bool:
+    """Python scalars and numpy constants folded into the equation."""
+    return not hasattr(x, "aval") or not isinstance(x, jax.core.Tracer)
+
+
+def gathered_loss(loss_fn: Callable, plan: ZeroPlan, takes_rng: bool):
+    """``loss(shards, micro_batch, key)`` for stage 3: the user's loss on just-in-time gathered
+    params; gradients w.r.t. the shards come out reduce-scattered."""
+    axis = plan.data_axis
+    prefetch = int(plan.config.prefetch_bucket_size)
+
+    def whole(lay, x):  # abstract whole param, for tracing the user's loss
+        return jax.ShapeDtypeStruct(lay.shape, x.dtype)
+
+    def loss(shards, mb, key):
+        extra = (key,) if takes_rng else ()
+        closed, out_shape = jax.make_jaxpr(loss_fn, return_shape=True)(plan.map(whole, shards), mb, *extra)
+        interp = _Interpreter(axis, prefetch)
+        lazies = plan.map(lambda lay, x: interp.base(x, lay) if lay.params_partitioned else x, shards)
+        flat = jax.tree_util.tree_leaves((lazies, mb) + extra, is_leaf=lambda x: isinstance(x, Lazy))
+        out = interp.run(closed.jaxpr, closed.consts, flat)
+        return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), out)
+
+    return loss

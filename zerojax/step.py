@@ -216,10 +216,10 @@ def _update_fn(loss_fn: Callable, plan: ZeroPlan, tx, has_aux: bool):
             opt_state = plan.opt_to_storage(opt_state)
             return params_from_master(plan, master), (master if plan.has_master else None), opt_state
 
-        def keep(_):
-            return state.params, state.master, state.opt_state
-
-        params, master, opt_state = jax.lax.cond(skip, keep, apply, None)
+        # a select rather than lax.cond: it fuses into the update, which then writes the
+        # donated buffers in place instead of keeping old and new state alive side by side
+        old = (state.params, state.master, state.opt_state)
+        params, master, opt_state = jax.tree_util.tree_map(lambda o, n: jnp.where(skip, o, n), old, apply(None))
         params = plan.put_back(params, homes.params)
         master = plan.put_back(master, homes.master)
         opt_state = plan.put_back(opt_state, homes.opt_state)
@@ -321,6 +321,26 @@ def check_state(plan: ZeroPlan, state) -> None:
         raise ValueError("state.params leaves do not match the plan:\n  " + "\n  ".join(bad))
 
 
+# XLA options that let collectives run asynchronously and overlap the compute around them
+# (the GPU backend's latency-hiding scheduler, and loop pipelining that issues the next
+# iteration's all-gather / reduce-scatter during the current one: prefetch across layers).
+OVERLAP_OPTIONS = {
+    "gpu": {
+        "xla_gpu_enable_latency_hiding_scheduler": True,
+        "xla_gpu_enable_pipelined_all_gather": True,
+        "xla_gpu_enable_pipelined_reduce_scatter": True,
+        "xla_gpu_enable_pipelined_all_reduce": True,
+    },
+}
+
+
+def compiler_options(plan: ZeroPlan, platform: str):
+    """XLA options for ``overlap_comm`` on ``platform`` (None where collectives are synchronous)."""
+    if not plan.config.overlap:
+        return None
+    return OVERLAP_OPTIONS.get(platform)
+
+
 def make_train_step(loss_fn: Callable, state: TrainState, *, has_aux: bool = False, donate: bool = True,
                     check_errors: bool = True) -> TrainStep:
     """Build the jitted step for ``state``'s plan.
@@ -338,10 +358,12 @@ def make_train_step(loss_fn: Callable, state: TrainState, *, has_aux: bool = Fal
     batch_sharding = NamedSharding(plan.mesh, P(plan.data_axis))
     rep = NamedSharding(plan.mesh, P())
     metric_sh = {k: rep for k in ("loss", "grad_norm", "learning_rate", "loss_scale", "skipped", "error")}
+    options = compiler_options(plan, plan.mesh.devices.flat[0].platform)
     jitted = jax.jit(
         fn,
         in_shardings=(shardings, batch_sharding),
         out_shardings=(shardings, metric_sh),
         donate_argnums=(0,) if donate else (),
+        **({"compiler_options": options} if options else {}),
     )
     return TrainStep(jitted, plan, check_errors)

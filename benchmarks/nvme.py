@@ -15,7 +15,6 @@ the pages after use, but only a state larger than RAM measures the drive alone.
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import tempfile
 import time

@@ -17,7 +17,6 @@ import time
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 
-import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import zerojax as zj  # noqa: E402

@@ -58,3 +58,18 @@ def max_rel_err(got, want):
         lambda a, b: float(jnp.max(jnp.abs(jnp.asarray(a, jnp.float32) - b)) / (jnp.max(jnp.abs(b)) + 1e-30)),
         got, want)
     return max(jax.tree_util.tree_leaves(errs))
+
+
+# every kind of optax transformation a ZeRO wrapper must handle
+OPTIMIZERS = {
+    "adamw": lambda: optax.adamw(1e-2, weight_decay=0.1),
+    "adam": lambda: optax.adam(1e-2),
+    "sgd_momentum": lambda: optax.sgd(5e-2, momentum=0.9, nesterov=True),
+    "lion": lambda: optax.lion(1e-3),
+    "adafactor": lambda: optax.adafactor(1e-2),
+    "chain_clip_schedule": lambda: optax.chain(
+        optax.clip_by_global_norm(0.5),
+        optax.adamw(optax.warmup_cosine_decay_schedule(0.0, 1e-2, 3, 10))),
+    "inject_hyperparams": lambda: optax.inject_hyperparams(optax.adamw)(learning_rate=1e-2),
+    "lamb": lambda: optax.lamb(1e-2),
+}

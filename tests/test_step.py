@@ -6,20 +6,8 @@ import optax
 import pytest
 
 import zerojax as zj
-from helpers import batches, init_params, loss_fn, max_rel_err, reference_train
+from helpers import OPTIMIZERS, batches, init_params, loss_fn, max_rel_err, reference_train
 
-OPTIMIZERS = {
-    "adamw": lambda: optax.adamw(1e-2, weight_decay=0.1),
-    "adam": lambda: optax.adam(1e-2),
-    "sgd_momentum": lambda: optax.sgd(5e-2, momentum=0.9, nesterov=True),
-    "lion": lambda: optax.lion(1e-3),
-    "adafactor": lambda: optax.adafactor(1e-2),
-    "chain_clip_schedule": lambda: optax.chain(
-        optax.clip_by_global_norm(0.5),
-        optax.adamw(optax.warmup_cosine_decay_schedule(0.0, 1e-2, 3, 10))),
-    "inject_hyperparams": lambda: optax.inject_hyperparams(optax.adamw)(learning_rate=1e-2),
-    "lamb": lambda: optax.lamb(1e-2),
-}
 
 
 @pytest.fixture(scope="module")

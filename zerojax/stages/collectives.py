@@ -133,49 +133,47 @@ def _unrow(flat, lay: LeafLayout, n: int):
     return jnp.moveaxis(flat.reshape(moved), 0, lay.axis)
 
 
+def _bucket_members(values, lays, bucket_size: int):
+    """Index lists, one per bucket: same dtype, at most ``bucket_size`` elements together."""
+    for dtype in sorted({v.dtype for v in values}, key=str):
+        idx = [i for i, v in enumerate(values) if v.dtype == dtype]
+        for group in buckets([lays[i].size for i in idx], bucket_size):
+            yield [idx[j] for j in group]
+
+
 def bucketed_reduce_scatter(grads, lays, axis_name: str, n: int, bucket_size: int):
     """Whole local gradients -> this device's shards of their sums, one reduce-scatter per
     bucket of at most ``bucket_size`` elements (per dtype)."""
     out = [None] * len(grads)
-    for dtype in sorted({g.dtype for g in grads}, key=str):
-        idx = [i for i, g in enumerate(grads) if g.dtype == dtype]
-        for group in buckets([lays[i].size for i in idx], bucket_size):
-            members = [idx[j] for j in group]
-            if len(members) == 1:
-                i = members[0]
-                out[i] = reduce_scatter(grads[i], lays[i], axis_name)
-                continue
-            rows = [_rows(grads[i], lays[i], n) for i in members]
-            flat = jax.lax.psum_scatter(jnp.concatenate(rows, axis=1), axis_name, scatter_dimension=0, tiled=True)
-            flat = flat.reshape(-1)
-            offset = 0
-            for i, r in zip(members, rows):
-                width = r.shape[1]
-                out[i] = _unrow(flat[offset:offset + width], lays[i], n)
-                offset += width
+    for members in _bucket_members(grads, lays, bucket_size):
+        if len(members) == 1:
+            out[members[0]] = reduce_scatter(grads[members[0]], lays[members[0]], axis_name)
+            continue
+        rows = [_rows(grads[i], lays[i], n) for i in members]
+        flat = jax.lax.psum_scatter(jnp.concatenate(rows, axis=1), axis_name, scatter_dimension=0, tiled=True)
+        flat = flat.reshape(-1)
+        offset = 0
+        for i, r in zip(members, rows):
+            out[i] = _unrow(flat[offset:offset + r.shape[1]], lays[i], n)
+            offset += r.shape[1]
     return out
 
 
 def bucketed_gather(shards, lays, axis_name: str, n: int, bucket_size: int):
     """This device's shards -> whole (unpadded) leaves, one all-gather per bucket."""
     out = [None] * len(shards)
-    for dtype in sorted({s.dtype for s in shards}, key=str):
-        idx = [i for i, s in enumerate(shards) if s.dtype == dtype]
-        for group in buckets([lays[i].size for i in idx], bucket_size):
-            members = [idx[j] for j in group]
-            if len(members) == 1:
-                i = members[0]
-                out[i] = gather(shards[i], lays[i], axis_name)
-                continue
-            flats = [jnp.moveaxis(shards[i], lays[i].axis, 0).reshape(-1) for i in members]
-            rows = jax.lax.all_gather(jnp.concatenate(flats), axis_name, axis=0, tiled=False)  # (n, total)
-            offset = 0
-            for i, f in zip(members, flats):
-                lay = lays[i]
-                piece = rows[:, offset:offset + f.size]
-                moved = list(lay.storage_shape)
-                moved.insert(0, moved.pop(lay.axis))
-                full = jnp.moveaxis(piece.reshape(moved), 0, lay.axis)
-                out[i] = ZeroPlan.unpad(full, lay)
-                offset += f.size
+    for members in _bucket_members(shards, lays, bucket_size):
+        if len(members) == 1:
+            out[members[0]] = gather(shards[members[0]], lays[members[0]], axis_name)
+            continue
+        flats = [jnp.moveaxis(shards[i], lays[i].axis, 0).reshape(-1) for i in members]
+        rows = jax.lax.all_gather(jnp.concatenate(flats), axis_name, axis=0, tiled=False)  # (n, total)
+        offset = 0
+        for i, f in zip(members, flats):
+            lay = lays[i]
+            moved = list(lay.storage_shape)
+            moved.insert(0, moved.pop(lay.axis))
+            full = jnp.moveaxis(rows[:, offset:offset + f.size].reshape(moved), 0, lay.axis)
+            out[i] = ZeroPlan.unpad(full, lay)
+            offset += f.size
     return out

@@ -78,10 +78,6 @@ class Lazy:
     sources: tuple  # Base, in order
     fn: Callable
 
-    @classmethod
-    def of(cls, base: Base) -> "Lazy":
-        return cls((base,), lambda full: full)
-
     @property
     def is_param(self) -> bool:
         return len(self.sources) == 1 and self.fn is not None and getattr(self.fn, "_identity", False)
@@ -253,7 +249,7 @@ class _Interpreter:
             self._prefetch(invals, order, anchor)
             return _use_site(eqn, invals, anchor)
         # params alone (transpose, cast, reshape...): stay lazy, computed at the use site
-        bases, fns = [], []
+        bases = []
         for x in invals:
             if isinstance(x, Lazy):
                 for b in x.sources:

@@ -59,3 +59,12 @@ __all__ += ["gather"]
 from zerojax.state import abstract_train_state as abstract_train_state
 
 __all__ += ["abstract_train_state"]
+from zerojax.planning import Ref as Ref
+from zerojax.planning import StepPlan as StepPlan
+from zerojax.planning import plan_step as plan_step
+
+__all__ += ["Ref", "StepPlan", "plan_step"]
+from zerojax.flax_support import linen_params as linen_params
+from zerojax.flax_support import nnx_params as nnx_params
+
+__all__ += ["linen_params", "nnx_params"]

@@ -125,10 +125,81 @@ def _add_estimate_memory(sub) -> None:
     p.set_defaults(func=_run_estimate_memory)
 
 
+def _run_plan_step(args: argparse.Namespace) -> int:
+    import dataclasses as dc
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    from zerojax.config import ZeroConfig
+    from zerojax.estimate import zero_paper_bytes
+    from zerojax.models import gpt
+    from zerojax.planning import Ref, gpt_sizes, plan_step
+
+    cfg = gpt_sizes()[args.model]
+    if args.seq_len:
+        cfg = dc.replace(cfg, seq_len=args.seq_len)
+    config = ZeroConfig(stage=args.stage, precision=args.precision, gradient_accumulation_steps=args.gas)
+    rows = args.devices * args.gas * args.micro_batch
+    batch = {"tokens": jax.ShapeDtypeStruct((rows, cfg.seq_len + 1), jnp.int32)}
+    print(f"{args.model}: {cfg.n_params:,} params (d_model {cfg.d_model}, {cfg.n_layer} layers, seq {cfg.seq_len}); "
+          f"stage {args.stage}, {args.precision}, micro-batch {args.micro_batch} x GAS {args.gas} per device",
+          flush=True)
+    try:
+        plan = plan_step(functools.partial(gpt.init_params, cfg), Ref("zerojax.models.gpt:loss_fn", cfg), batch,
+                         devices=args.devices, config=config, tx=Ref("optax:adamw", 1e-4))
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(plan)
+    paper = zero_paper_bytes(cfg.n_params, args.devices, args.stage, args.precision, include_grads=False)
+    print(f"  ZeRO paper, stored    {paper / 2**30:.2f} GiB (params + optimizer states; planned / paper = "
+          f"{plan.stored_bytes / paper:.3f})")
+    return 0
+
+
+def _add_plan_step(sub) -> None:
+    p = sub.add_parser("step", help="compile a GPT train step for N (simulated) devices and print its "
+                                    "per-device peak, stored state and collectives")
+    p.add_argument("--model", required=True, choices=["gpt2-small", "gpt-1.3b", "gpt-7b", "gpt-70b"])
+    p.add_argument("--devices", type=_positive_int, required=True, help="data-parallel devices N")
+    p.add_argument("--stage", type=int, default=3, choices=[0, 1, 2, 3])
+    p.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32"])
+    p.add_argument("--micro-batch", type=_positive_int, default=1, help="sequences per device per micro-batch")
+    p.add_argument("--gas", type=_positive_int, default=1, help="gradient accumulation steps")
+    p.add_argument("--seq-len", type=_positive_int, default=None, help="override the model's sequence length")
+    p.set_defaults(func=_run_plan_step)
+
+
+def _run_checkpoint_consolidate(args: argparse.Namespace) -> int:
+    from zerojax.checkpoint import consolidate
+
+    try:
+        out = consolidate(args.checkpoint, args.out, dtype=args.dtype, format=args.format, step=args.step)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(out)
+    return 0
+
+
+def _add_checkpoint_consolidate(sub) -> None:
+    p = sub.add_parser("consolidate", help="write a checkpoint's full params to one file, leaf by leaf")
+    p.add_argument("checkpoint", help="the CheckpointManager directory")
+    p.add_argument("out", help="output path (a .safetensors file, or a directory for --format orbax)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--format", default="safetensors", choices=["safetensors", "orbax"])
+    p.add_argument("--step", type=int, default=None, help="default: the newest complete step")
+    p.set_defaults(func=_run_checkpoint_consolidate)
+
+
 # group -> (help, [functions adding one subcommand each])
 _COMMANDS: dict[str, tuple[str, list[Callable]]] = {
     "config": ("DeepSpeed JSON configs", [_add_config_check]),
     "estimate": ("memory estimates", [_add_estimate_memory]),
+    "checkpoint": ("checkpoints", [_add_checkpoint_consolidate]),
+    "plan": ("compile the real step for N simulated devices", [_add_plan_step]),
 }
 
 

@@ -203,20 +203,40 @@ _COMMANDS: dict[str, tuple[str, list[Callable]]] = {
 }
 
 
+# shorter spellings: ``zerojax consolidate CKPT OUT`` is ``zerojax checkpoint consolidate CKPT OUT``
+_ALIASES = {"consolidate": ["checkpoint", "consolidate"]}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="zerojax", description="ZeRO data parallelism for JAX")
     groups = parser.add_subparsers(dest="group", required=True)
+    parser.group_commands = {}
     for group, (help_text, adders) in _COMMANDS.items():
         gp = groups.add_parser(group, help=help_text)
         sub = gp.add_subparsers(dest="command", required=True)
         for add in adders:
             add(sub)
+        parser.group_commands[group] = list(sub.choices)
     return parser
+
+
+def _expand(parser, argv: Sequence[str]) -> list:
+    """Aliases, and a group with a single command runs it without naming it
+    (``zerojax estimate --params 7e9`` is ``zerojax estimate memory --params 7e9``)."""
+    argv = list(argv)
+    if argv and argv[0] in _ALIASES:
+        argv = _ALIASES[argv[0]] + argv[1:]
+    if argv and argv[0] in parser.group_commands:
+        commands = parser.group_commands[argv[0]]
+        if len(commands) == 1 and (len(argv) == 1 or argv[1] not in commands + ["-h", "--help"]):
+            argv.insert(1, commands[0])
+    return argv
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the command line; returns the exit code (0 ok, 2 errors)."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(_expand(parser, sys.argv[1:] if argv is None else argv))
     try:
         return args.func(args)
     except ConfigError as e:

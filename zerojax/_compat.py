@@ -52,3 +52,9 @@ def primitives():
     jit_p = getattr(p, "jit_p", None) or getattr(p, "pjit_p", None)
     calls = tuple(x for x in (jit_p, getattr(p, "closed_call_p", None), getattr(p, "core_call_p", None)) if x)
     return {"scan": p.scan_p, "while": p.while_p, "calls": calls}
+
+
+try:  # the tracer type: public in jax.core today, kept reachable if it moves
+    Tracer = jax.core.Tracer
+except AttributeError:  # pragma: no cover
+    from jax._src.core import Tracer  # noqa: F401

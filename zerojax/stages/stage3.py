@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.extend.core import Literal, jaxpr_as_fun
 
-from zerojax._compat import primitives
+from zerojax._compat import Tracer, primitives
 from zerojax.plan import LeafLayout, ZeroPlan
 from zerojax.stages import collectives as C
 
@@ -162,7 +162,7 @@ def _inner(lay: LeafLayout) -> LeafLayout:
 
 def _anchor(vals):
     """An activation the current operation reads (floating point preferred, e.g. not token ids)."""
-    arrays = [v for v in vals if not isinstance(v, Lazy) and isinstance(v, jax.core.Tracer)]
+    arrays = [v for v in vals if not isinstance(v, Lazy) and isinstance(v, Tracer)]
     return next((v for v in arrays if _is_float(v)), arrays[0] if arrays else None)
 
 
@@ -348,7 +348,7 @@ class _Identity:
 
 def _is_literal_like(x) -> bool:
     """Python scalars and numpy constants folded into the equation."""
-    return not hasattr(x, "aval") or not isinstance(x, jax.core.Tracer)
+    return not hasattr(x, "aval") or not isinstance(x, Tracer)
 
 
 def gathered_loss(loss_fn: Callable, plan: ZeroPlan, takes_rng: bool):

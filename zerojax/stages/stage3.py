@@ -80,14 +80,12 @@ class Lazy:
 
     @property
     def is_param(self) -> bool:
-        return len(self.sources) == 1 and self.fn is not None and getattr(self.fn, "_identity", False)
+        """A param itself (not a transform of one)."""
+        return self.fn is _identity
 
 
 def _identity(full):
     return full
-
-
-_identity._identity = True
 
 
 def _param(base: Base) -> Lazy:
@@ -108,8 +106,9 @@ def _is_float(x) -> bool:
     return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)
 
 
-def _use_site(eqn, invals: list, anchor):
-    """Apply ``eqn`` where some inputs are lazy: gather-once forward, re-gather in backward."""
+def _use_site(op: Callable[[list], list], invals: list, anchor):
+    """Apply ``op`` (an equation, as a function of its input values) where some inputs are
+    lazy: gathered once in the forward pass, gathered again in the backward pass."""
     bases: List[Base] = []
     for x in invals:
         if isinstance(x, Lazy):
@@ -130,7 +129,7 @@ def _use_site(eqn, invals: list, anchor):
             vals[i] = v
         for i, v in zip(const_pos, consts):
             vals[i] = v
-        return _bind(eqn, vals)
+        return op(vals)
 
     @jax.custom_vjp
     def site(fulls, shards, diffs, consts):
@@ -212,8 +211,7 @@ class _Interpreter:
 
     def materialize(self, x: Lazy, anchor):
         """A lazy value as a plain (differentiable) value, through a use site of its own."""
-        fake = _Identity()
-        return _use_site(fake, [x], anchor)[0]
+        return _use_site(lambda vals: [vals[0]], [x], anchor)[0]
 
     def _prefetch(self, invals, order: Sequence[Base], anchor):
         bases = [b for x in invals if isinstance(x, Lazy) for b in x.sources]
@@ -247,7 +245,7 @@ class _Interpreter:
             return sliced
         if prim.multiple_results or any(not isinstance(x, Lazy) and not _is_literal_like(x) for x in invals):
             self._prefetch(invals, order, anchor)
-            return _use_site(eqn, invals, anchor)
+            return _use_site(lambda vals: _bind(eqn, vals), invals, anchor)
         # params alone (transpose, cast, reshape...): stay lazy, computed at the use site
         bases = []
         for x in invals:
@@ -322,28 +320,6 @@ class _Interpreter:
             return self.run(body_j.jaxpr, body_j.consts, consts + list(c))
 
         return list(jax.lax.while_loop(cond, body, list(init)))
-
-
-class _Identity:
-    """A stand-in equation: the identity on one input (used to materialize a lazy value)."""
-
-    class primitive:  # noqa: N801 - mimics an equation's primitive
-        multiple_results = True
-
-        @staticmethod
-        def get_bind_params(params):
-            return {}
-
-        @staticmethod
-        def bind(x):
-            return [x]
-
-    params: dict = {}
-
-    class ctx:  # noqa: N801
-        import contextlib
-
-        manager = contextlib.nullcontext()
 
 
 def _is_literal_like(x) -> bool:

@@ -44,31 +44,8 @@ def all_reduce(g, axis_name: str):
 
 
 def _map_selected(plan: ZeroPlan, tree, select, body, in_partitioned: bool, out_partitioned: bool):
-    """Run ``body(lay, local)`` in a data-manual region on the leaves ``select`` picks; other
-    leaves never enter it (so their own layouts are left exactly as they are)."""
-    axis = plan.data_axis
-    lays = plan.leaves
-    leaves = plan.treedef.flatten_up_to(tree)
-    picked = [i for i, lay in enumerate(lays) if select(lay)]
-    if not picked:
-        return tree
-
-    def spec(lay, partitioned):
-        return lay.data_spec(partitioned, axis)
-
-    def run(xs):
-        return [body(lays[i], x) for i, x in zip(picked, xs)]
-
-    out = shard_map(run, plan.mesh, in_specs=([spec(lays[i], in_partitioned) for i in picked],),
-                    out_specs=[spec(lays[i], out_partitioned) for i in picked],
-                    manual_axes={axis})([leaves[i] for i in picked])
-    for i, x in zip(picked, out):
-        leaves[i] = x
-    return plan.treedef.unflatten(leaves)
-
-
-def _map_selected_all(plan: ZeroPlan, tree, select, body, in_partitioned: bool, out_partitioned: bool):
-    """Like ``_map_selected`` but ``body(lays, locals)`` sees all picked leaves at once."""
+    """Run ``body(lays, locals)`` in a data-manual region on the leaves ``select`` picks, all at
+    once (so it may bucket them); other leaves never enter it and keep their layouts."""
     axis = plan.data_axis
     lays = plan.leaves
     leaves = plan.treedef.flatten_up_to(tree)
@@ -89,7 +66,8 @@ def split_tree(plan: ZeroPlan, tree, select):
     ``select(lay)`` picks; others pass through. Purely local: no communication, and unlike a
     sharding constraint it leaves the caller's whole arrays unconstrained."""
     axis, n = plan.data_axis, plan.n
-    return _map_selected(plan, tree, select, lambda lay, x: local_slice(x, lay, axis, n), False, True)
+    return _map_selected(plan, tree, select, lambda lays, xs: [local_slice(x, lay, axis, n) for lay, x in zip(lays, xs)],
+                         False, True)
 
 
 def gather_tree(plan: ZeroPlan, tree, select, dtype=None):
@@ -100,7 +78,7 @@ def gather_tree(plan: ZeroPlan, tree, select, dtype=None):
     if dtype is not None:
         tree = plan.map(lambda lay, x: x if select(lay) else x.astype(dtype), tree)
     cast = (lambda x: x) if dtype is None else (lambda x: x.astype(dtype))
-    return _map_selected_all(plan, tree, select, lambda lays, xs: bucketed_gather(
+    return _map_selected(plan, tree, select, lambda lays, xs: bucketed_gather(
         [cast(x) for x in xs], lays, axis, plan.n, int(plan.config.allgather_bucket_size)), True, False)
 
 

@@ -68,3 +68,7 @@ from zerojax.flax_support import linen_params as linen_params
 from zerojax.flax_support import nnx_params as nnx_params
 
 __all__ += ["linen_params", "nnx_params"]
+from zerojax import checkpoint as checkpoint
+from zerojax.checkpoint import CheckpointManager as CheckpointManager
+
+__all__ += ["checkpoint", "CheckpointManager"]

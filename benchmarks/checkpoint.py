@@ -1,0 +1,184 @@
+"""Checkpoint throughput next to the disk's own speed, and consolidation's peak memory.
+
+    python benchmarks/checkpoint.py                       # 32M params: 384 MB of fp32 state
+    python benchmarks/checkpoint.py --width 4096 --dir /nvme/scratch
+
+Save: ``CheckpointManager.save`` + ``wait_until_finished`` of a stage-3 bf16 AdamW state on 8
+simulated devices (fp32 master + two moments are written). Restore: onto a 4-device stage-2
+mesh. Both are in GB/s of checkpoint bytes, next to numpy writing (with fsync) and reading a
+file of the same size in the same directory. Before each read the page cache of the files
+is dropped (posix_fadvise DONTNEED), so reads come from the disk where the kernel allows it.
+
+Consolidation runs in a fresh process per measurement; its peak resident set (VmHWM)
+minus that of consolidating a tiny checkpoint (imports, runtime, the same code path) is
+reported against the largest leaf in fp32. The goal is at most 3x the largest leaf.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+if __name__ == "__main__":
+    from _common import simulate_devices
+
+    simulate_devices(8)
+
+
+def drop_cache(path: str) -> None:
+    paths = [path] if os.path.isfile(path) else [os.path.join(r, f) for r, _, fs in os.walk(path) for f in fs]
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def du(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(path) for f in fs)
+
+
+def disk_speed(directory: str, nbytes: int):
+    import numpy as np
+
+    data = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+    path = os.path.join(directory, "raw.bin")
+    t = time.perf_counter()
+    with open(path, "wb") as f:
+        f.write(data.data)
+        f.flush()
+        os.fsync(f.fileno())
+    write = nbytes / (time.perf_counter() - t) / 1e9
+    drop_cache(path)
+    t = time.perf_counter()
+    back = np.fromfile(path, dtype=np.uint8)
+    read = nbytes / (time.perf_counter() - t) / 1e9
+    assert back.size == nbytes
+    os.remove(path)
+    return write, read
+
+
+def model(width: int, layers: int):
+    import jax
+
+    def init(key):
+        keys = jax.random.split(key, layers + 1)
+        params = {"emb": jax.random.normal(keys[0], (4 * width, width)) * 0.02}
+        for i in range(layers):
+            params[f"layer{i}"] = {"kernel": jax.random.normal(keys[i + 1], (width, width)) * 0.02,
+                                   "bias": jax.numpy.zeros((width,))}
+        return params
+
+    return init
+
+
+# ru_maxrss survives fork + exec on Linux (a child would report this big parent's peak), so the
+# child reads its own high-water mark, VmHWM, which a fresh address space starts from zero
+CONSOLIDATE = """
+import sys, time
+from zerojax.checkpoint import consolidate
+t = time.perf_counter()
+consolidate(sys.argv[1], sys.argv[2], progress=False)
+hwm = [l for l in open("/proc/self/status") if l.startswith("VmHWM:")][0].split()[1]
+print(int(hwm) * 1024, time.perf_counter() - t)
+"""
+
+
+def consolidate_peak(ckpt: str, out: str):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    res = subprocess.run([sys.executable, "-c", CONSOLIDATE, ckpt, out], env=env, check=True,
+                         capture_output=True, text=True)
+    peak, seconds = res.stdout.split()[-2:]
+    return int(peak), float(seconds)
+
+
+def save_checkpoint(directory: str, width: int, layers: int):
+    import jax
+    import optax
+
+    import zerojax as zj
+
+    state = zj.shard_train_state(model(width, layers), optax.adamw(1e-3), mesh=zj.make_mesh(8),
+                                 config=zj.ZeroConfig(stage=3, precision="bf16", param_persistence_threshold=0))
+    # moments of a fresh AdamW are zeros, which compress to nothing: fill them like a trained state
+    noise = jax.jit(lambda t: jax.tree_util.tree_map(
+        lambda x: x + jax.random.normal(jax.random.PRNGKey(x.size), x.shape, x.dtype) * 1e-3
+        if x.ndim and jax.numpy.issubdtype(x.dtype, jax.numpy.floating) else x, t))
+    state = state.replace(opt_state=noise(state.opt_state))
+    jax.block_until_ready(state)
+    mngr = zj.checkpoint.CheckpointManager(directory)
+    zj.checkpoint.logical_tree(state)  # compile the save's re-layout outside the timing
+    t = time.perf_counter()
+    mngr.save(1, state)
+    blocking = time.perf_counter() - t
+    mngr.wait_until_finished()
+    seconds = time.perf_counter() - t
+    mngr.close()
+    return state, seconds, blocking
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--width", type=int, default=2048)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--dir", default=None, help="scratch directory on the disk to measure (default: a temp dir)")
+    args = ap.parse_args()
+
+    import jax
+    import optax
+
+    import zerojax as zj
+
+    root = tempfile.mkdtemp(dir=args.dir)
+    try:
+        ckpt = os.path.join(root, "ckpt")
+        state, save_s, blocking = save_checkpoint(ckpt, args.width, args.layers)
+        nbytes = du(os.path.join(ckpt, "1"))
+        del state
+        target = zj.abstract_train_state(model(args.width, args.layers), optax.adamw(1e-3), mesh=zj.make_mesh(4),
+                                         config=zj.ZeroConfig(stage=2, precision="bf16"))
+        zj.checkpoint.restore(ckpt, target)  # compile, then time a cold read
+        drop_cache(ckpt)
+        t = time.perf_counter()
+        restored, _ = zj.checkpoint.restore(ckpt, target)
+        jax.block_until_ready(restored)
+        restore_s = time.perf_counter() - t
+        del restored
+        disk_w, disk_r = disk_speed(root, nbytes)
+
+        tiny = os.path.join(root, "tiny")
+        save_checkpoint(tiny, 8, 1)
+        base, _ = consolidate_peak(tiny, os.path.join(root, "tiny.safetensors"))
+        peak, cons_s = consolidate_peak(ckpt, os.path.join(root, "model.safetensors"))
+        largest = 4 * args.width * args.width * 4
+        params_bytes = os.path.getsize(os.path.join(root, "model.safetensors"))
+        figures = {
+            "checkpoint_bytes": nbytes,
+            "save_GBps": nbytes / save_s / 1e9, "save_blocking_s": blocking,
+            "restore_GBps": nbytes / restore_s / 1e9,
+            "disk_write_GBps": disk_w, "disk_read_GBps": disk_r,
+            "consolidate_s": cons_s, "consolidate_peak_minus_baseline_MB": (peak - base) / 1e6,
+            "largest_leaf_MB": largest / 1e6, "params_MB": params_bytes / 1e6,
+            "peak_over_largest_leaf": (peak - base) / largest,
+        }
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    print(f"checkpoint {nbytes / 1e6:.0f} MB (fp32 master + Adam moments, stage 3 bf16 on 8 devices)")
+    print(f"  save     {figures['save_GBps']:.2f} GB/s (blocking part {blocking * 1e3:.0f} ms)   "
+          f"disk write {disk_w:.2f} GB/s (numpy + fsync)")
+    print(f"  restore  {figures['restore_GBps']:.2f} GB/s onto 4 devices, stage 2   disk read {disk_r:.2f} GB/s")
+    print(f"consolidate {params_bytes / 1e6:.0f} MB of params in {cons_s:.1f} s: peak RSS "
+          f"{(peak - base) / 1e6:.0f} MB above baseline ({base / 1e6:.0f} MB) = "
+          f"{figures['peak_over_largest_leaf']:.2f}x the largest leaf ({largest / 1e6:.0f} MB; goal <= 3x)")
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()

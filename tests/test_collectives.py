@@ -133,7 +133,8 @@ def test_stage3_matches_plain_optax_for_every_model_kind(loss):
 
 
 def test_scan_model_gathers_inside_the_layer_loop():
-    cfg = GPTConfig(vocab=256, n_layer=4, d_model=32, n_head=4, seq_len=8, scan=True)
+    # 8 layers: the stacked layer axis divides the 8 devices too, and must still not be split
+    cfg = GPTConfig(vocab=256, n_layer=8, d_model=32, n_head=4, seq_len=8, scan=True)
     state = zj.abstract_train_state(lambda k: init_params(cfg, k), optax.sgd(0.1),
                                     config=zj.ZeroConfig(stage=3, param_persistence_threshold=0))
     step = zj.make_train_step(loss_fn(cfg), state)

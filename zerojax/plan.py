@@ -113,15 +113,17 @@ def _base_spec(leaf, user_spec, mesh: Mesh, data_axis: str, path: str) -> Tuple[
 
 
 def _choose_axis(shape, base_spec, n: int) -> Tuple[Optional[int], int]:
-    """The free dim that needs the least relative padding to divide ``n`` (earliest on ties)."""
-    best, best_cost = None, None
+    """The free dim that needs the least relative padding to divide ``n``; among equals the
+    largest (so a leading layer axis of stacked weights, which ``lax.scan`` slices, is split
+    only when nothing else divides), then the earliest."""
+    best, best_key = None, None
     for d, size in enumerate(shape):
         if base_spec[d] is not None or size == 0:
             continue
         padded = -(-size // n) * n
-        cost = padded / size
-        if best_cost is None or cost < best_cost:
-            best, best_cost = d, cost
+        key = (padded / size, -size, d)
+        if best_key is None or key < best_key:
+            best, best_key = d, key
     if best is None:
         return None, 0
     return best, -(-shape[best] // n) * n

@@ -23,9 +23,9 @@ def sds(*shape):
     ((50257,), 0, 50264),     # nothing divides: pad 7 elements, not replicate
     ((769, 771), 1, 776),     # the dim needing the least relative padding
     ((3, 1024), 1, 1024),
-    ((16, 8), 0, 16),         # among dims that divide: the largest
-    ((24, 2048, 6144), 2, 6144),  # so a stacked layer axis (sliced by lax.scan) stays whole
-    ((8, 8), 0, 8),           # then the earliest
+    ((16, 8), 0, 16),         # among dims that divide: the earliest
+    ((24, 2048, 6144), 1, 2048),  # but a stacked layer axis (sliced by lax.scan) stays whole
+    ((8, 8), 0, 8),
     ((), None, 0),            # scalars stay whole
 ])
 def test_axis_choice(shape, axis, padded):

@@ -114,14 +114,15 @@ def _base_spec(leaf, user_spec, mesh: Mesh, data_axis: str, path: str) -> Tuple[
 
 def _choose_axis(shape, base_spec, n: int) -> Tuple[Optional[int], int]:
     """The free dim that needs the least relative padding to divide ``n``; among equals the
-    largest (so a leading layer axis of stacked weights, which ``lax.scan`` slices, is split
-    only when nothing else divides), then the earliest."""
+    earliest (contiguous shards), except that the leading axis of a 3-D or higher leaf (the
+    layer axis of stacked weights, which ``lax.scan`` slices) is split only when nothing else
+    divides as well."""
     best, best_key = None, None
     for d, size in enumerate(shape):
         if base_spec[d] is not None or size == 0:
             continue
         padded = -(-size // n) * n
-        key = (padded / size, -size, d)
+        key = (padded / size, d == 0 and len(shape) >= 3, d)
         if best_key is None or key < best_key:
             best, best_key = d, key
     if best is None:

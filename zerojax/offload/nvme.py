@@ -298,24 +298,20 @@ class NvmeOptimizerStore:
         return [(memoryview(buf[r, :b - a]).cast("B"), 4 * (r * n + a)) for r in range(3)]
 
     def _read_group(self, slot: int, i: int, buf: np.ndarray) -> None:
-        fd = self._fds[slot]
-        try:
-            for mv, off in self._group_view(i, buf):
-                _pread_into(fd, mv, off)
-                if self._drop:
-                    os.posix_fadvise(fd, off, len(mv), os.POSIX_FADV_DONTNEED)
-        except OSError as e:
-            raise self._io_error(e, "reading") from e
+        self._transfer(slot, i, buf, _pread_into, "reading")
 
     def _write_group(self, slot: int, i: int, buf: np.ndarray) -> None:
+        self._transfer(slot, i, buf, _pwrite_all, "writing")
+
+    def _transfer(self, slot: int, i: int, buf: np.ndarray, io, doing: str) -> None:
         fd = self._fds[slot]
         try:
             for mv, off in self._group_view(i, buf):
-                _pwrite_all(fd, mv, off)
+                io(fd, mv, off)
                 if self._drop:
                     os.posix_fadvise(fd, off, len(mv), os.POSIX_FADV_DONTNEED)
         except OSError as e:
-            raise self._io_error(e, "writing") from e
+            raise self._io_error(e, doing) from e
 
     def _io_error(self, e: OSError, doing: str) -> NvmeError:
         if isinstance(e, NvmeError):

@@ -86,23 +86,12 @@ def grads_fn(loss_fn: Callable, plan: ZeroPlan, has_aux: bool = False):
 
     def reduce_some(tree, select):
         """Reduce-scatter the leaves ``select`` picks, in buckets of reduce_bucket_size."""
-        lays, leaves = plan.leaves, plan.treedef.flatten_up_to(tree)
-        picked = [i for i, lay in enumerate(lays) if select(lay)]
-        if picked:
-            out = C.bucketed_reduce_scatter([leaves[i] for i in picked], [lays[i] for i in picked], axis, n,
-                                            int(cfg.reduce_bucket_size))
-            for i, x in zip(picked, out):
-                leaves[i] = x
-        return plan.treedef.unflatten(leaves)
+        return C.on_selected(plan, tree, select, lambda lays, xs: C.bucketed_reduce_scatter(
+            xs, lays, axis, n, int(cfg.reduce_bucket_size)))
 
     def all_reduce_some(tree, select):
-        lays, leaves = plan.leaves, plan.treedef.flatten_up_to(tree)
-        picked = [i for i, lay in enumerate(lays) if select(lay)]
-        for group in C.buckets([lays[i].size for i in picked], int(cfg.reduce_bucket_size)):
-            members = [picked[j] for j in group]
-            for i, x in zip(members, jax.lax.psum([leaves[i] for i in members], axis)):
-                leaves[i] = x
-        return plan.treedef.unflatten(leaves)
+        return C.on_selected(plan, tree, select, lambda lays, xs: C.bucketed_all_reduce(
+            xs, lays, axis, int(cfg.reduce_bucket_size)))
 
     def acc_shape(lay):
         if lay.params_partitioned or per_micro(lay):

@@ -39,26 +39,40 @@ def local_slice(x, lay: LeafLayout, axis_name: str, n: int):
     return jax.lax.dynamic_slice_in_dim(x, start, chunk, axis=lay.axis)
 
 
-def all_reduce(g, axis_name: str):
-    return jax.lax.psum(g, axis_name)
-
-
-def _map_selected(plan: ZeroPlan, tree, select, body, in_partitioned: bool, out_partitioned: bool):
-    """Run ``body(lays, locals)`` in a data-manual region on the leaves ``select`` picks, all at
-    once (so it may bucket them); other leaves never enter it and keep their layouts."""
-    axis = plan.data_axis
+def on_selected(plan: ZeroPlan, tree, select, fn):
+    """``fn(lays, leaves) -> leaves`` applied to the leaves ``select(lay)`` picks, all at once
+    (so it may bucket them); the other leaves are returned untouched."""
     lays = plan.leaves
     leaves = plan.treedef.flatten_up_to(tree)
     picked = [i for i, lay in enumerate(lays) if select(lay)]
     if not picked:
         return tree
-    out = shard_map(lambda xs: body([lays[i] for i in picked], xs), plan.mesh,
-                    in_specs=([lays[i].data_spec(in_partitioned, axis) for i in picked],),
-                    out_specs=[lays[i].data_spec(out_partitioned, axis) for i in picked],
-                    manual_axes={axis})([leaves[i] for i in picked])
-    for i, x in zip(picked, out):
+    for i, x in zip(picked, fn([lays[i] for i in picked], [leaves[i] for i in picked])):
         leaves[i] = x
     return plan.treedef.unflatten(leaves)
+
+
+def _map_selected(plan: ZeroPlan, tree, select, body, in_partitioned: bool, out_partitioned: bool):
+    """Run ``body(lays, locals)`` in a data-manual region on the leaves ``select`` picks; other
+    leaves never enter it and keep their layouts."""
+    axis = plan.data_axis
+
+    def run(lays, leaves):
+        return shard_map(lambda xs: body(lays, xs), plan.mesh,
+                         in_specs=([lay.data_spec(in_partitioned, axis) for lay in lays],),
+                         out_specs=[lay.data_spec(out_partitioned, axis) for lay in lays],
+                         manual_axes={axis})(leaves)
+
+    return on_selected(plan, tree, select, run)
+
+
+def bucketed_all_reduce(values, lays, axis_name: str, bucket_size: int):
+    """Sums over devices, one (multi-operand) all-reduce per bucket."""
+    out = list(values)
+    for group in buckets([lay.size for lay in lays], bucket_size):
+        for i, x in zip(group, jax.lax.psum([values[i] for i in group], axis_name)):
+            out[i] = x
+    return out
 
 
 def split_tree(plan: ZeroPlan, tree, select):

@@ -27,12 +27,12 @@ def leaves(tree):
     return [np.asarray(x) for x in jax.tree_util.tree_leaves(tree)]
 
 
-@pytest.mark.parametrize("stage", [1, 3])
-def test_fp16_overflow_sequence_and_bitwise_skip(stage):
+@pytest.mark.parametrize("stage,offload", [(1, None), (3, None), (2, "cpu")])
+def test_fp16_overflow_sequence_and_bitwise_skip(stage, offload):
     flags = [True, True, False, False, False, True]
     tx = optax.inject_hyperparams(optax.adamw)(learning_rate=optax.linear_schedule(1e-2, 0.0, 100))
     config = zj.ZeroConfig(stage=stage, precision="fp16", initial_scale_power=8, loss_scale_window=2,
-                           hysteresis=2, param_persistence_threshold=0)
+                           hysteresis=2, param_persistence_threshold=0, offload_optimizer=offload)
     state = zj.shard_train_state(init_params(jax.random.PRNGKey(0)), tx, config=config)
     step = zj.make_train_step(poisoned_loss, state)
     seen = []

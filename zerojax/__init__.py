@@ -11,11 +11,12 @@ from zerojax.plan import LeafLayout as LeafLayout
 from zerojax.plan import ZeroPlan as ZeroPlan
 from zerojax.state import TrainState as TrainState
 from zerojax.state import shard_train_state as shard_train_state
+from zerojax.step import HostUpdateWarning as HostUpdateWarning
 from zerojax.step import NonFiniteError as NonFiniteError
 from zerojax.step import TrainStep as TrainStep
 from zerojax.step import make_train_step as make_train_step
 
-__all__ += ["make_mesh", "LeafLayout", "ZeroPlan", "TrainState", "shard_train_state", "NonFiniteError",
+__all__ += ["HostUpdateWarning", "make_mesh", "LeafLayout", "ZeroPlan", "TrainState", "shard_train_state", "NonFiniteError",
             "TrainStep", "make_train_step"]
 from zerojax.optim import zero_optimizer as zero_optimizer
 from zerojax.report import MemoryReport as MemoryReport

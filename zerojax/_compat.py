@@ -58,3 +58,29 @@ try:  # the tracer type: public in jax.core today, kept reachable if it moves
     Tracer = jax.core.Tracer
 except AttributeError:  # pragma: no cover
     from jax._src.core import Tracer  # noqa: F401
+
+
+def compute_on_host(fn):
+    """Run ``fn`` (traced inside a jitted step) on the host CPU of the device that owns the data."""
+    try:
+        from jax.experimental.compute_on import compute_on
+    except ImportError:  # pragma: no cover - if it leaves experimental
+        compute_on = jax.compute_on
+    return compute_on("device_host")(jax.jit(fn))
+
+
+def same_memory_space(x, like):
+    """``x`` moved (while tracing) to the memory space of ``like`` where they differ: values an
+    optimizer creates from constants inside a host computation are typed as device values."""
+    space = getattr(jax.typeof(like), "memory_space", None)
+    if space is None or getattr(jax.typeof(x), "memory_space", None) == space:
+        return x
+    return jax.device_put(x, space)
+
+
+def to_device_memory(x):
+    """``x`` moved (while tracing) from host memory to device memory; device values unchanged."""
+    space = getattr(jax.typeof(x), "memory_space", None)
+    if space is None or space == jax.memory.Space.Device:
+        return x
+    return jax.device_put(x, jax.memory.Space.Device)

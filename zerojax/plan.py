@@ -230,6 +230,11 @@ class ZeroPlan:
         return _memory_kind(self.config.offload_param is not None, self.config.pin_memory)
 
     @property
+    def host_update(self) -> bool:
+        """Whether the optimizer update runs on the host (ZeRO-Offload), not the device."""
+        return self.config.offload_optimizer == "cpu"
+
+    @property
     def opt_memory_kind(self) -> str:
         return _memory_kind(self.config.offload_optimizer is not None, self.config.pin_memory)
 

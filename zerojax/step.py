@@ -16,7 +16,9 @@ partitioned gradients, so each device updates only its 1/N of the optimizer stat
 """
 from __future__ import annotations
 
+import functools
 import inspect
+import warnings
 from typing import Callable
 
 import jax
@@ -25,14 +27,18 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zerojax._compat import shard_map
-from zerojax.plan import ZeroPlan
+from zerojax._compat import compute_on_host, same_memory_space, shard_map, to_device_memory
+from zerojax.plan import DEVICE, ZeroPlan
 from zerojax.precision import LossScaleError, global_norm, tree_all_finite
 from zerojax.stages import collectives as C
 from zerojax.stages.stage3 import gathered_loss
 from zerojax.state import TrainState, state_shardings
 
 OK, NON_FINITE, SCALE_AT_MIN = 0, 1, 2
+
+
+class HostUpdateWarning(UserWarning):
+    """optimizer offload could not run this optimizer's update on the host (it runs on the device)."""
 
 
 class NonFiniteError(FloatingPointError):
@@ -114,6 +120,7 @@ def grads_fn(loss_fn: Callable, plan: ZeroPlan, has_aux: bool = False):
             mb, i = xs
             key = jax.random.fold_in(jax.random.fold_in(rng, jax.lax.axis_index(axis)), i)
             g, loss = jax.grad(loss_of, has_aux=True)(params, mb, key)
+            g = jax.tree_util.tree_map(to_device_memory, g)  # offloaded params' gradients
             g = reduce_some(g, per_micro)
             acc = jax.tree_util.tree_map(lambda a, x: a + x.astype(f32), acc, g)
             return (acc, loss_sum + loss), None
@@ -173,6 +180,25 @@ def clip_coefficient(norm, clip: float):
     return jnp.maximum(jnp.float32(1.0), (norm + 1e-6) / clip)
 
 
+def _host_apply_fn(plan: ZeroPlan, tx):
+    """The optimizer update as it runs on the host (``compute_on``): compute-dtype, loss-scaled
+    gradients and the fp32 master/optimizer state in -> compute-dtype params, master, state out."""
+    f32 = jnp.float32
+
+    def host_apply(grads, master, opt_state, scale, coef, skip):
+        grads = jax.tree_util.tree_map(lambda g: g.astype(f32) / scale / coef, grads)
+        current = plan.to_update(master)
+        updates, new_opt = tx.update(plan.to_update(grads), plan.opt_to_update(opt_state), current)
+        new_master = plan.to_storage(optax.apply_updates(current, updates))
+        new_opt = plan.opt_to_storage(new_opt)
+        keep = functools.partial(jax.tree_util.tree_map, lambda o, n: jnp.where(skip, o, same_memory_space(n, o)))
+        new_master, new_opt = keep(master, new_master), keep(opt_state, new_opt)
+        new_params = jax.tree_util.tree_map(lambda x: x.astype(plan.compute_dtype), new_master)
+        return new_params, (new_master if plan.has_master else None), new_opt
+
+    return host_apply
+
+
 def _update_fn(loss_fn: Callable, plan: ZeroPlan, tx, has_aux: bool):
     cfg = plan.config
     scaler = cfg.loss_scaler
@@ -180,22 +206,28 @@ def _update_fn(loss_fn: Callable, plan: ZeroPlan, tx, has_aux: bool):
     compute_grads = grads_fn(loss_fn, plan, has_aux)
     homes = state_shardings(plan, tx)
 
-    def train_step(state: TrainState, batch):
-        scale = state.loss_scale.scale if fp16 else jnp.float32(1.0)
-        rng = jax.random.fold_in(state.rng, state.step)
-        # offloaded state lives in host memory between steps and is fetched for use
+    host_apply = compute_on_host(_host_apply_fn(plan, tx)) if plan.host_update else None
+
+    def on_host(state, scaled, scale, coef, skip):
+        # ZeRO-Offload: the (still loss-scaled) gradients travel to the host in the compute
+        # dtype, the host updates the fp32 master and moments and sends back compute-dtype
+        # params, which the device then gathers (stages 1–2).
+        to_host = plan.map(lambda lay, g: jax.device_put(g.astype(plan.compute_dtype), plan.master_sharding(lay)),
+                           scaled)
+        master = master_view(plan, state)
+        if not plan.has_master:  # fp32: the device's params are the master
+            master = plan.map(lambda lay, x: jax.device_put(x, plan.master_sharding(lay)), master)
+        new_params, master, opt_state = host_apply(to_host, master, state.opt_state, scale, coef, skip)
+        new_params = plan.map(lambda lay, x: jax.device_put(x, plan.master_sharding(lay).with_memory_kind(DEVICE)),
+                              new_params)
+        params = C.gather_tree(plan, new_params, _split_not_stored_split(plan), dtype=plan.compute_dtype)
+        return params, master, opt_state
+
+    def on_device(state, grads, skip):
+        # offloaded state is fetched from host memory for the update and put back after it
         state = state.replace(params=plan.fetch(state.params, homes.params),
                               master=plan.fetch(state.master, homes.master),
                               opt_state=plan.fetch(state.opt_state, homes.opt_state))
-        grads, loss = compute_grads(state.params, batch, scale, rng)
-        grads = jax.tree_util.tree_map(lambda g: g / scale, grads)
-        finite = tree_all_finite(grads) & jnp.isfinite(loss)
-        norm = global_norm(grads)
-        coef = clip_coefficient(norm, cfg.gradient_clipping)
-        grads = jax.tree_util.tree_map(lambda g: g / coef, grads)
-        skip = ~finite
-        if cfg.precision == "bf16" and not cfg.check_grad_overflow:
-            skip = jnp.asarray(False)
 
         def apply(_):
             # the optimizer works on logical shapes, split over the data axis
@@ -209,9 +241,39 @@ def _update_fn(loss_fn: Callable, plan: ZeroPlan, tx, has_aux: bool):
         # donated buffers in place instead of keeping old and new state alive side by side
         old = (state.params, state.master, state.opt_state)
         params, master, opt_state = jax.tree_util.tree_map(lambda o, n: jnp.where(skip, o, n), old, apply(None))
+        return params, plan.put_back(master, homes.master), plan.put_back(opt_state, homes.opt_state)
+
+    def train_step(state: TrainState, batch):
+        scale = state.loss_scale.scale if fp16 else jnp.float32(1.0)
+        rng = jax.random.fold_in(state.rng, state.step)
+        # offloaded stage-3 params stay in host memory: each shard is brought to the device
+        # just before its gather, layer by layer; the rest are fetched now
+        state = state.replace(params=plan.map(
+            lambda lay, x, s: x if lay.params_partitioned else plan.fetch(x, s), state.params, homes.params))
+        scaled, loss = compute_grads(state.params, batch, scale, rng)
+        grads = jax.tree_util.tree_map(lambda g: g / scale, scaled)
+        finite = tree_all_finite(grads) & jnp.isfinite(loss)
+        norm = global_norm(grads)
+        coef = clip_coefficient(norm, cfg.gradient_clipping)
+        skip = ~finite
+        if cfg.precision == "bf16" and not cfg.check_grad_overflow:
+            skip = jnp.asarray(False)
+        done = None
+        if host_apply is not None:
+            try:
+                done = on_host(state, scaled, scale, coef, skip)
+            except ValueError as e:  # raised while tracing, before anything runs
+                if "memory_space" not in str(e):
+                    raise
+                warnings.warn(
+                    f"offload_optimizer='cpu': this optimizer's update cannot be traced for the host ({e}); "
+                    "its state stays in host memory between steps and is updated on the device instead. "
+                    "optax.adam/adamw/sgd/lion (and the DeepSpeed Adam/AdamW configs) update on the host.",
+                    HostUpdateWarning, stacklevel=2)
+        if done is None:
+            done = on_device(state, jax.tree_util.tree_map(lambda g: g / coef, grads), skip)
+        params, master, opt_state = done
         params = plan.put_back(params, homes.params)
-        master = plan.put_back(master, homes.master)
-        opt_state = plan.put_back(opt_state, homes.opt_state)
         loss_scale = scaler.update(state.loss_scale, ~finite) if fp16 else state.loss_scale
         error = jnp.int32(OK)
         if fp16:
@@ -223,7 +285,7 @@ def _update_fn(loss_fn: Callable, plan: ZeroPlan, tx, has_aux: bool):
         metrics = {
             "loss": loss,
             "grad_norm": norm,
-            "learning_rate": find_learning_rate(opt_state),
+            "learning_rate": jax.device_put(find_learning_rate(opt_state), NamedSharding(plan.mesh, P())),
             "loss_scale": scale,
             "skipped": skip,
             "error": error,
@@ -342,6 +404,10 @@ def make_train_step(loss_fn: Callable, state: TrainState, *, has_aux: bool = Fal
         state, metrics = step(state, batch)
     """
     plan = state.plan
+    if plan.config.zenflow:
+        from zerojax.zenflow import ZenFlowStep
+
+        return ZenFlowStep(loss_fn, state, has_aux)
     fn = _update_fn(loss_fn, plan, state.tx, has_aux)
     shardings = state.shardings
     batch_sharding = NamedSharding(plan.mesh, P(plan.data_axis))

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.extend.core import Literal, jaxpr_as_fun
 
-from zerojax._compat import Tracer, primitives
+from zerojax._compat import Tracer, primitives, to_device_memory
 from zerojax.plan import LeafLayout, ZeroPlan
 from zerojax.stages import collectives as C
 
@@ -67,7 +67,8 @@ class Base:
         if self.full is None:
             # the gather's transpose is the reduce-scatter: all use sites' cotangents are
             # summed first, so a tied param is reduced once
-            self.full = C.gather(_tie(self.shard, anchor), self.lay, self.axis_name)
+            # an offloaded shard comes from host memory just before its gather
+            self.full = C.gather(_tie(to_device_memory(self.shard), anchor), self.lay, self.axis_name)
         return self.full
 
 
@@ -142,7 +143,7 @@ def _use_site(op: Callable[[list], list], invals: list, anchor):
     def bwd(res, ct):
         shards, diffs, consts = res
         ct_anchor = next((c for c in ct if hasattr(c, "dtype") and _is_float(c)), None)
-        fulls = [C.gather(_tie(s, ct_anchor), b.lay, b.axis_name) for s, b in zip(shards, bases)]
+        fulls = [C.gather(_tie(to_device_memory(s), ct_anchor), b.lay, b.axis_name) for s, b in zip(shards, bases)]
         _, vjp = jax.vjp(lambda f, d: apply(f, d, consts), fulls, diffs)
         d_fulls, d_diffs = vjp(ct)
         return d_fulls, [None] * len(shards), d_diffs, [None] * len(consts)

@@ -1,0 +1,122 @@
+"""Optimizer and param offload: device and host bytes per device against ZeRO-Offload's
+expectation, and the step time of offload relative to keeping everything on the device.
+
+Memory (GPT-2-small shape, bf16, 8 simulated devices, states really built and measured
+with zj.memory_report): with optimizer offload only the 16-bit params stay on the device,
+2Ψ in stages 1–2 and 2Ψ/N in stage 3; the fp32 master and Adam moments (12Ψ/N) are on the
+host. With param offload too (stage 3) nothing persistent stays on the device.
+
+Step time (a smaller GPT, bf16, same batch for every row): on this machine "device" and
+"host" are the same CPU, so the ratio measures the cost of the host update and the
+transfers' bookkeeping, not PCIe.
+
+    python benchmarks/offload.py [--steps 5] [--skip-memory] [--skip-time]
+"""
+import argparse
+import gc
+import time
+
+from _common import simulate_devices
+
+simulate_devices(8)
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+import zerojax as zj  # noqa: E402
+from zerojax.models.gpt import GPT2_SMALL, GPTConfig, init_params, loss_fn  # noqa: E402
+
+CASES = [  # (stage, offload_optimizer, offload_param)
+    (1, None, None), (1, "cpu", None),
+    (2, None, None), (2, "cpu", None),
+    (3, None, None), (3, "cpu", None), (3, "cpu", "cpu"),
+]
+HOST = "pinned_host"
+
+
+def expected(stage, opt, param, psi, n):
+    """(device bytes, host bytes) per device for bf16 params and an fp32 AdamW state."""
+    params = 2 * psi / n if stage == 3 else 2 * psi
+    states = 12 * psi / n  # fp32 master + two moments, partitioned from stage 1
+    device = (0 if param else params) + (0 if opt else states)
+    host = (params if param else 0) + (states if opt else 0)
+    return device, host
+
+
+def label(stage, opt, param):
+    return f"stage {stage} " + ("+ optimizer and params on host" if param else "+ optimizer on host" if opt
+                                else "on device")
+
+
+def memory(cfg, mesh):
+    n, psi = mesh.shape["data"], cfg.n_params
+    print(f"GPT-2 small, {psi:,} params, bf16, {n} devices: stored bytes per device (max over devices)")
+    print(f"{'case':<42} {'device MiB':>10} {'expected':>9} {'ratio':>7}   {'host MiB':>9} {'expected':>9} {'ratio':>7}")
+    worst = 0.0
+    for stage, opt, param in CASES:
+        config = zj.ZeroConfig(stage=stage, precision="bf16", offload_optimizer=opt, offload_param=param,
+                               param_persistence_threshold=0)
+        state = zj.shard_train_state(lambda k: init_params(cfg, k), optax.adamw(1e-4), mesh=mesh, config=config)
+        report = zj.memory_report(state)
+        # model states only: the step counter, key and loss scaler are a few bytes
+        dev = sum(kinds.get("device", 0) for part, kinds in report.by_part.items() if part != "other")
+        host = sum(kinds.get(HOST, 0) for kinds in report.by_part.values())
+        want_dev, want_host = expected(stage, opt, param, psi, n)
+
+        def ratio(got, want):
+            return "-" if want == 0 else f"{got / want:.4f}"
+
+        if want_dev:
+            worst = max(worst, dev / want_dev)
+        if want_host:
+            worst = max(worst, host / want_host)
+        print(f"{label(stage, opt, param):<42} {dev / 2**20:>10.2f} {want_dev / 2**20:>9.2f} {ratio(dev, want_dev):>7}"
+              f"   {host / 2**20:>9.2f} {want_host / 2**20:>9.2f} {ratio(host, want_host):>7}", flush=True)
+        del state
+        gc.collect()
+    print(f"largest measured/expected: {worst:.4f} (goal <= 1.01); rows with nothing expected show measured bytes")
+
+
+def step_time(steps: int, mesh):
+    cfg = GPTConfig(vocab=4096, n_layer=4, d_model=256, n_head=8, seq_len=128)
+    rng = np.random.default_rng(0)
+    batch = {"tokens": rng.integers(0, cfg.vocab, (16, cfg.seq_len + 1)).astype(np.int32)}
+    print(f"\nstep time, GPT {cfg.n_params / 1e6:.1f}M params, bf16, batch 16 x {cfg.seq_len}, {steps} timed steps")
+    base = {}
+    for stage, opt, param in CASES:
+        config = zj.ZeroConfig(stage=stage, precision="bf16", offload_optimizer=opt, offload_param=param)
+        state = zj.shard_train_state(lambda k: init_params(cfg, k), optax.adamw(1e-4), mesh=mesh, config=config)
+        step = zj.make_train_step(loss_fn(cfg), state)
+        state, m = step(state, batch)  # compile
+        jax.block_until_ready(m["loss"])
+        times = []
+        for _ in range(steps):
+            t = time.perf_counter()
+            state, m = step(state, batch)
+            jax.block_until_ready((state.params, m["loss"]))
+            times.append(time.perf_counter() - t)
+        ms = 1e3 * float(np.median(times))
+        if opt is None:
+            base[stage] = ms
+        print(f"{label(stage, opt, param):<42} {ms:>8.1f} ms/step   {ms / base[stage]:.2f}x of stage {stage} on device",
+              flush=True)
+        del state, step
+        gc.collect()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--skip-memory", action="store_true")
+    ap.add_argument("--skip-time", action="store_true")
+    args = ap.parse_args()
+    mesh = zj.make_mesh()
+    if not args.skip_memory:
+        memory(GPT2_SMALL, mesh)
+    if not args.skip_time:
+        step_time(args.steps, mesh)
+
+
+if __name__ == "__main__":
+    main()

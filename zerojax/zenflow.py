@@ -1,0 +1,446 @@
+"""ZenFlow: importance-aware optimizer offload that keeps the device busy.
+
+With ``zero_optimization.zenflow`` (and ``offload_optimizer.device = "cpu"``) the step splits
+the AdamW update between the device and the host (REFERENCE.md §8):
+
+* every 2-D weight ``W[in, out]`` (Flax/JAX layout: row ``i`` holds the weights reading input
+  feature ``i``, DeepSpeed's "column" of its ``[out, in]`` weights) is scored per input feature
+  by the L1 norm of its reduced gradient; the top ``topk_ratio`` features are *important*.
+  Only the scores (one number per feature) cross devices to pick them, never the gradient;
+* every step the device updates the important rows with a small AdamW whose fp32 copy and
+  moments exist only for them, and every other (1-D, stacked) param with a full AdamW;
+* the host accumulates every element's gradient (fp32) and every ``update_interval`` steps
+  runs AdamW (``HostAdamW``, multi-threaded, in place) on the fp32 master, then writes the
+  result back to the device except for the important rows, which keep the device's fresher
+  values;
+* with ``overlap_step`` the host update runs on a background thread while the device computes
+  the next interval (two gradient accumulators), never more than one update in flight, so no
+  weight is more than ``2·update_interval − 1`` steps stale (asserted every step);
+* ``update_interval: "auto"`` fires the host update when, for at least ``auto_ratio`` of the
+  2-D weights, the unimportant gradient mass accumulated since the last update, divided by
+  ``(1 − k)·10``, reaches the important mass of one step (its running mean since the last
+  update), divided by ``k·10``; it also fires after ``AUTO_MAX_INTERVAL`` steps at the latest,
+  so it can never stall, and every division is guarded;
+* reselection (``select_strategy`` step / epoch / auto with ``select_interval``) first
+  applies any accumulated gradients, then re-syncs the host master from the device weights
+  and resets the device moments. ``full_warm_up_rounds`` steps of plain offloaded AdamW
+  (host update every step) come first.
+
+Counters are Python integers: nothing saturates.
+
+    state = zj.shard_train_state(params, optax.inject_hyperparams(optax.adamw)(learning_rate=1e-3),
+                                 config=zj.ZeroConfig(stage=2, offload_optimizer="cpu",
+                                                      zenflow={"topk_ratio": 0.1, "update_interval": 4}))
+    step = zj.make_train_step(loss_fn, state)       # a ZenFlowStep
+    for batch in data:
+        state, metrics = step(state, batch)
+    step.end_epoch()                                 # for select_strategy epoch / auto
+    step.finish(state)                               # waits for the host, applies pending grads
+"""
+from __future__ import annotations
+
+import math
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from zerojax.config import ConfigError
+from zerojax.offload.host_adam import HostAdamW
+from zerojax.plan import ZeroPlan
+from zerojax.precision import global_norm
+from zerojax.state import TrainState
+
+AUTO_MAX_INTERVAL = 64  # "auto" fires at least this often
+DEFAULTS = {"topk_ratio": 0.1, "select_strategy": "auto", "select_interval": "auto", "update_interval": "auto",
+            "overlap_step": False, "offload": False, "auto_ratio": 0.99, "full_warm_up_rounds": 0,
+            "pt_reserved_cores_perc": 0.5}
+
+
+def zenflow_settings(block: Optional[dict]) -> dict:
+    """The zenflow block with defaults filled in and checked (the same rules as the DeepSpeed config)."""
+    z = dict(DEFAULTS, **(block or {}))
+    unknown = sorted(set(z) - set(DEFAULTS))
+    if unknown:
+        raise ConfigError(f"zenflow has unknown keys {unknown}; the keys are {sorted(DEFAULTS)}")
+    k = z["topk_ratio"]
+    if isinstance(k, bool) or not isinstance(k, (int, float)) or not 0 < k < 1:
+        raise ConfigError(f"zenflow.topk_ratio={k!r} must be a fraction strictly between 0 and 1. Fix: use 0.1")
+    for key in ("update_interval", "select_interval"):
+        v = z[key]
+        if v != "auto" and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ConfigError(f"zenflow.{key}={v!r} must be 'auto' or an integer >= 1. Fix: use 4")
+    if z["select_strategy"] not in ("auto", "step", "epoch"):
+        raise ConfigError(f"zenflow.select_strategy={z['select_strategy']!r} must be 'auto', 'step' or 'epoch'")
+    if z["select_strategy"] != "auto" and z["select_interval"] == "auto":
+        raise ConfigError("zenflow.select_interval='auto' only works with select_strategy 'auto'. "
+                          "Fix: give select_interval a number")
+    sel, upd = z["select_interval"], z["update_interval"]
+    if z["select_strategy"] == "step" and sel != "auto" and upd != "auto" and sel < upd:
+        raise ConfigError(f"zenflow.select_interval={sel} is smaller than update_interval={upd}. "
+                          "Fix: make select_interval >= update_interval")
+    if not 0 < z["auto_ratio"] <= 1:
+        raise ConfigError(f"zenflow.auto_ratio={z['auto_ratio']!r} must be in (0, 1]. Fix: use 0.99")
+    if not isinstance(z["full_warm_up_rounds"], int) or z["full_warm_up_rounds"] < 0:
+        raise ConfigError(f"zenflow.full_warm_up_rounds={z['full_warm_up_rounds']!r} must be an integer >= 0")
+    return z
+
+
+def adamw_hyperparams(state: TrainState) -> dict:
+    """AdamW's settings for ZenFlow: from the DeepSpeed optimizer block, or from the state of an
+    ``optax.inject_hyperparams(optax.adamw)`` transformation."""
+    block = state.plan.config.optimizer
+    if block:
+        if block.get("type", "").lower() not in ("adam", "adamw"):
+            raise ConfigError(f"zenflow updates with AdamW; optimizer.type is {block.get('type')!r}. "
+                              'Fix: use "type": "AdamW"')
+        p = block.get("params", {})
+        b1, b2 = p.get("betas", (0.9, 0.999))
+        return {"lr": float(p.get("lr", 1e-3)), "b1": float(b1), "b2": float(b2), "eps": float(p.get("eps", 1e-8)),
+                "weight_decay": float(p.get("weight_decay", 0.0))}
+    found = None
+    for leaf in jax.tree_util.tree_leaves(state.opt_state, is_leaf=lambda x: hasattr(x, "hyperparams")):
+        if hasattr(leaf, "hyperparams"):
+            found = leaf.hyperparams
+            break
+    if not found or "learning_rate" not in found:
+        raise ConfigError(
+            "zenflow runs AdamW on the device and on the host and needs its settings: build the state with "
+            "tx=optax.inject_hyperparams(optax.adamw)(learning_rate=..., weight_decay=...) or give the "
+            'DeepSpeed block optimizer={"type": "AdamW", "params": {...}} in the config.')
+    get = lambda k, d: float(np.asarray(found[k])) if k in found else d  # noqa: E731
+    return {"lr": get("learning_rate", 1e-3), "b1": get("b1", 0.9), "b2": get("b2", 0.999),
+            "eps": get("eps", 1e-8), "weight_decay": get("weight_decay", 1e-4)}
+
+
+class ZenFlowStep:
+    """The train step for a ZenFlow config; ``state, metrics = step(state, batch)``.
+
+    Attributes worth reading: ``host_updates`` (count), ``selections`` (count),
+    ``max_staleness`` (largest steps any weight lagged), ``bytes_to_host`` / ``bytes_to_device``
+    (host↔device traffic so far), ``important`` (path -> selected input-feature indices).
+    """
+
+    def __init__(self, loss_fn: Callable, state: TrainState, has_aux: bool = False):
+        from zerojax.step import check_state, clip_coefficient, grads_fn
+
+        plan = state.plan
+        cfg = plan.config
+        if cfg.offload_optimizer != "cpu":
+            raise ConfigError("zenflow needs offload_optimizer='cpu' (the host runs the bulk of the update). "
+                              'Fix: set offload_optimizer="cpu" / "offload_optimizer": {"device": "cpu"}')
+        if cfg.stage not in (1, 2, 3):
+            raise ConfigError(f"zenflow works with ZeRO stages 1, 2 and 3, not {cfg.stage}. Fix: set stage=2")
+        if cfg.precision == "fp16":
+            raise ConfigError("zenflow with precision='fp16' is not supported (its loss scaler would have to skip "
+                              "host updates). Fix: use bf16")
+        if cfg.gradient_accumulation_steps < 1:  # pragma: no cover - config checks it
+            raise ConfigError("gradient_accumulation_steps must be >= 1")
+        self.plan, self.z = plan, zenflow_settings(cfg.zenflow)
+        self._check_state = check_state
+        self.hp = adamw_hyperparams(state)
+        self.k = float(self.z["topk_ratio"])
+        self.interval = self.z["update_interval"]
+        self.overlap = bool(self.z["overlap_step"])
+        cdt = plan.compute_dtype
+        self.cdt = cdt
+        # 2-D weights get the selective treatment; every other leaf is updated on the device
+        self.mat = [i for i, lay in enumerate(plan.leaves) if len(lay.shape) == 2 and lay.shape[0] > 1]
+        self.vec = [i for i in range(len(plan.leaves)) if i not in self.mat]
+        self.topk = [max(1, math.ceil(self.k * plan.leaves[i].shape[0])) for i in self.mat]
+        hp = self.hp
+        self.dev_tx = optax.adamw(hp["lr"], hp["b1"], hp["b2"], hp["eps"], weight_decay=hp["weight_decay"])
+        cores = os.cpu_count() or 1
+        threads = max(1, round(cores * float(self.z["pt_reserved_cores_perc"])))
+        self.host_opt = HostAdamW(lr=hp["lr"], b1=hp["b1"], b2=hp["b2"], eps=hp["eps"],
+                                  weight_decay=hp["weight_decay"], num_threads=threads)
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="zenflow-host") if self.overlap else None
+        self._lock = threading.Lock()
+
+        # ---- host buffers (fp32, logical shapes of the 2-D weights, one flat buffer each)
+        logical = self._logical_params(state)
+        mats = [np.asarray(jax.device_get(logical[i]), np.float32) for i in self.mat]
+        sizes = [m.size for m in mats]
+        self.offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        total = int(self.offsets[-1])
+        self.master = np.empty(total, np.float32)
+        for j, m in enumerate(mats):
+            self._view(self.master, j)[...] = m
+        self.m = np.zeros(total, np.float32)
+        self.v = np.zeros(total, np.float32)
+        self.acc = [np.zeros(total, np.float32) for _ in range(2 if self.overlap else 1)]
+        self.acc_steps = [0] * len(self.acc)
+        self.cur = 0  # the accumulator the device's gradients go to
+        self.out16 = np.empty(total, jnp.dtype(cdt)) if cdt != jnp.float32 else None
+        # ---- device state: fp32 copies + moments of the selected rows, and of the other leaves
+        self.dev = None
+        # ---- bookkeeping (Python ints)
+        self.steps = 0
+        self.host_count = 0
+        self.host_updates = 0
+        self.selections = 0
+        self.since_select = 0
+        self.epochs_since_select = 0
+        self.reflected = 0  # every weight reflects the gradients of steps <= this one
+        self.max_staleness = 0
+        self.bytes_to_host = 0
+        self.bytes_to_device = 0
+        self._pending: Optional[Future] = None
+        self._pending_through = 0
+        self._unimp = np.zeros(len(self.mat))
+        self._imp_sum = np.zeros(len(self.mat))
+        self._mass_steps = 0
+        self.auto_fired = 0
+        self.important = {}
+        self._build(loss_fn, has_aux, grads_fn, clip_coefficient)
+
+    # ------------------------------------------------------------------ helpers
+    def _view(self, flat: np.ndarray, j: int) -> np.ndarray:
+        lay = self.plan.leaves[self.mat[j]]
+        return flat[self.offsets[j]:self.offsets[j + 1]].reshape(lay.shape)
+
+    def _logical_params(self, state):
+        plan = self.plan
+        return [plan.unpad(x, lay) if lay.params_partitioned else x
+                for lay, x in zip(plan.leaves, plan.treedef.flatten_up_to(state.params))]
+
+    def _build(self, loss_fn, has_aux, grads_fn, clip_coefficient):
+        plan, cdt, mat, vec = self.plan, self.cdt, self.mat, self.vec
+        compute_grads = grads_fn(loss_fn, plan, has_aux)
+        tx, topk, clip = self.dev_tx, self.topk, plan.config.gradient_clipping
+        f32 = jnp.float32
+        rep = NamedSharding(plan.mesh, P())
+
+        def to_storage(lay, x):
+            return plan.pad(x, lay) if lay.params_partitioned else x
+
+        def logical(leaves):
+            return [plan.unpad(x, lay) if lay.params_partitioned else x for lay, x in zip(plan.leaves, leaves)]
+
+        def init_dev(params):
+            leaves = logical(plan.treedef.flatten_up_to(params))
+            vec_master = [leaves[i].astype(f32) for i in vec]
+            return {"idx": [jnp.zeros((k,), jnp.int32) for k in topk],
+                    "sel": [jnp.zeros((k,) + plan.leaves[i].shape[1:], f32) for i, k in zip(mat, topk)],
+                    "sel_opt": tx.init([jnp.zeros((k,) + plan.leaves[i].shape[1:], f32) for i, k in zip(mat, topk)]),
+                    "vec": vec_master, "vec_opt": tx.init(vec_master)}
+
+        def device_step(params, dev, batch, rng, reselect: bool, warm: bool):
+            stored = plan.treedef.flatten_up_to(params)
+            leaves = logical(stored)
+            g_st, loss = compute_grads(params, batch, f32(1.0), rng)
+            g = plan.treedef.flatten_up_to(plan.to_update(g_st))
+            norm = global_norm(g)
+            coef = clip_coefficient(norm, clip)
+            g = [x / coef for x in g]
+            idx, sel, sel_opt = dev["idx"], dev["sel"], dev["sel_opt"]
+            if reselect:
+                # one score per input feature crosses devices, not the gradient
+                idx = [jax.lax.top_k(jax.lax.with_sharding_constraint(jnp.sum(jnp.abs(g[i]), axis=1), rep), k)[1]
+                       for i, k in zip(mat, topk)]
+                idx = [jnp.sort(ix) for ix in idx]
+                sel = [leaves[i].astype(f32)[ix] for i, ix in zip(mat, idx)]
+                sel_opt = tx.init(sel)
+            g_sel = [g[i][ix] for i, ix in zip(mat, idx)]
+            out = list(leaves)
+            if not warm:
+                upd, sel_opt = tx.update(g_sel, sel_opt, sel)
+                sel = optax.apply_updates(sel, upd)
+                for i, ix, s in zip(mat, idx, sel):
+                    out[i] = leaves[i].at[ix].set(s.astype(cdt))
+            vec_g = [g[i] for i in vec]
+            upd, vec_opt = tx.update(vec_g, dev["vec_opt"], dev["vec"])
+            vec_master = optax.apply_updates(dev["vec"], upd)
+            for i, x in zip(vec, vec_master):
+                out[i] = x.astype(cdt)
+            imp = jnp.stack([jnp.sum(jnp.abs(x)) for x in g_sel]) if mat else jnp.zeros((0,))
+            tot = jnp.stack([jnp.sum(jnp.abs(g[i])) for i in mat]) if mat else jnp.zeros((0,))
+            new_params = plan.treedef.unflatten([to_storage(lay, x) for lay, x in zip(plan.leaves, out)])
+            dev = {"idx": idx, "sel": sel, "sel_opt": sel_opt, "vec": vec_master, "vec_opt": vec_opt}
+            host_grads = [g[i].astype(cdt) for i in mat]
+            return new_params, dev, host_grads, {"loss": loss, "grad_norm": norm, "imp": imp, "unimp": tot - imp}
+
+        def merge(params, host_params, idx, keep_selected: bool):
+            leaves = logical(plan.treedef.flatten_up_to(params))
+            out = list(leaves)
+            for j, i in enumerate(mat):
+                new = host_params[j].astype(cdt)
+                out[i] = new.at[idx[j]].set(leaves[i][idx[j]]) if keep_selected else new
+            return plan.treedef.unflatten([to_storage(lay, x) for lay, x in zip(plan.leaves, out)])
+
+        shardings = plan.param_shardings
+        self._init_dev = jax.jit(init_dev)
+        self._device_step = jax.jit(device_step, static_argnames=("reselect", "warm"), donate_argnums=(0, 1),
+                                    out_shardings=(shardings, None, None, None))
+        self._merge = jax.jit(merge, static_argnames=("keep_selected",), donate_argnums=(0,),
+                              out_shardings=shardings)
+
+    # ------------------------------------------------------------------ host side
+    def _host_update(self, acc_i: int, through: int) -> tuple:
+        """AdamW on the host over the mean gradient of the accumulator; runs on a worker thread
+        with ``overlap_step``. Returns the updated weights (compute dtype) and ``through``."""
+        n = self.acc_steps[acc_i]
+        self.host_count += 1
+        self.host_opt.step(self.master, self.acc[acc_i], self.m, self.v, count=self.host_count,
+                           grad_scale=1.0 / n, out16=self.out16)
+        result = (self.out16 if self.out16 is not None else self.master).copy()
+        self.acc[acc_i][...] = 0
+        self.acc_steps[acc_i] = 0
+        return result, through
+
+    def _apply(self, params, result):
+        flat, through = result
+        keep_selected = self.selections > 0  # during warm-up nothing is selected yet
+        host_params = [self._view(flat, j) for j in range(len(self.mat))]
+        self.bytes_to_device += flat.nbytes
+        params = self._merge(params, host_params, self.dev["idx"], keep_selected=keep_selected)
+        self.reflected = max(self.reflected, through)
+        self.host_updates += 1
+        return params
+
+    def _wait_pending(self, params):
+        if self._pending is not None:
+            result = self._pending.result()
+            self._pending = None
+            params = self._apply(params, result)
+        return params
+
+    def _launch(self, params, sync: bool):
+        """Start a host update over the current accumulator (at most one in flight)."""
+        params = self._wait_pending(params)
+        assert self._pending is None, "two host updates in flight"
+        acc_i = self.cur
+        if self.acc_steps[acc_i] == 0:
+            return params
+        through = self.steps
+        if sync or self._executor is None:
+            params = self._apply(params, self._host_update(acc_i, through))
+        else:
+            self._pending = self._executor.submit(self._host_update, acc_i, through)
+            self.cur = 1 - self.cur  # the device's next gradients go to the other accumulator
+        self._unimp[:] = 0
+        self._imp_sum[:] = 0
+        self._mass_steps = 0
+        return params
+
+    def _auto_fires(self) -> bool:
+        if self.acc_steps[self.cur] >= AUTO_MAX_INTERVAL:
+            return True
+        if self._mass_steps == 0 or not self.mat:
+            return False
+        imp_mean = self._imp_sum / self._mass_steps
+        lhs = self._unimp / ((1.0 - self.k) * 10.0)
+        rhs = imp_mean / (self.k * 10.0)
+        ok = np.where(rhs > 0, lhs >= rhs, lhs > 0)
+        return bool(np.mean(ok) >= self.z["auto_ratio"])
+
+    def _reselect_due(self) -> bool:
+        if self.selections == 0:
+            return True
+        strategy, interval = self.z["select_strategy"], self.z["select_interval"]
+        if interval == "auto":  # strategy auto: once per epoch
+            return self.epochs_since_select >= 1
+        if strategy == "epoch":
+            return self.epochs_since_select >= interval
+        return self.since_select >= interval
+
+    def end_epoch(self) -> None:
+        """Tell ZenFlow an epoch ended (select_strategy 'epoch' and 'auto' reselect per epoch)."""
+        self.epochs_since_select += 1
+
+    # ------------------------------------------------------------------ the step
+    def __call__(self, state: TrainState, batch):
+        self._check_state(self.plan, state)
+        from zerojax.step import check_batch
+
+        check_batch(self.plan, batch)
+        params = state.params
+        if self.dev is None:
+            self.dev = self._init_dev(params)
+        warm = self.steps < self.z["full_warm_up_rounds"]
+        reselect = not warm and self._reselect_due()
+        if reselect:
+            # no gradient is dropped: pending and accumulated ones are applied first, then the
+            # host master is re-synced from the device weights and the device moments restart
+            params = self._wait_pending(params)
+            params = self._launch(params, sync=True)
+            self.cur = 0
+            logical = self._logical_params(state.replace(params=params))
+            for j, i in enumerate(self.mat):
+                x = np.asarray(jax.device_get(logical[i]), np.float32)
+                self.bytes_to_host += x.size * jnp.dtype(self.cdt).itemsize
+                self._view(self.master, j)[...] = x
+            self.reflected = self.steps
+            self.selections += 1
+            self.since_select = 0
+            self.epochs_since_select = 0
+        rng = jax.random.fold_in(state.rng, state.step)
+        params, self.dev, grads, metrics = self._device_step(params, self.dev, batch, rng,
+                                                             reselect=reselect, warm=warm)
+        self.steps += 1
+        self.since_select += 1
+        # the full gradient goes to the host (in the compute dtype) and is accumulated in fp32
+        acc = self.acc[self.cur]
+        for j, g in enumerate(grads):
+            host = np.asarray(g)
+            self.bytes_to_host += host.nbytes
+            view = self._view(acc, j)
+            np.add(view, host.astype(np.float32), out=view)
+        self.acc_steps[self.cur] += 1
+        imp, unimp = np.asarray(metrics["imp"], np.float64), np.asarray(metrics["unimp"], np.float64)
+        self._imp_sum += imp
+        self._unimp += unimp
+        self._mass_steps += 1
+        if warm:
+            params = self._launch(params, sync=True)
+            self.reflected = self.steps
+        else:
+            if self.interval == "auto":
+                due = self._auto_fires()
+                self.auto_fired += int(due)
+            else:
+                due = self.acc_steps[self.cur] >= self.interval
+            if due:
+                params = self._launch(params, sync=not self.overlap)
+        staleness = self.steps - self.reflected
+        self.max_staleness = max(self.max_staleness, staleness)
+        if self.interval != "auto":
+            bound = 2 * self.interval - 1 if self.overlap else self.interval - 1
+            assert staleness <= bound, f"zenflow: weights {staleness} steps stale, bound {bound}"
+        self.important = {self.plan.leaves[i].path: ix for i, ix in zip(self.mat, self.dev["idx"])}
+        new_state = state.replace(step=state.step + 1, params=params)
+        out = {"loss": metrics["loss"], "grad_norm": metrics["grad_norm"], "staleness": staleness,
+               "host_updates": self.host_updates}
+        return new_state, out
+
+    def finish(self, state: TrainState) -> TrainState:
+        """Wait for the host, apply every accumulated gradient, and return the up-to-date state
+        (call before evaluating or saving a checkpoint)."""
+        params = self._launch(self._wait_pending(state.params), sync=True)
+        self.reflected = self.steps
+        return state.replace(params=params)
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+        self.host_opt.close()
+
+    def __del__(self):  # pragma: no cover - best effort
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def is_zenflow(state: TrainState) -> bool:
+    return bool(state.plan.config.zenflow)
+
+
+__all__ = ["ZenFlowStep", "zenflow_settings", "adamw_hyperparams", "AUTO_MAX_INTERVAL", "is_zenflow"]

@@ -64,6 +64,16 @@ DEFAULTS = {"topk_ratio": 0.1, "select_strategy": "auto", "select_interval": "au
             "pt_reserved_cores_perc": 0.5}
 
 
+def _accumulate(acc: np.ndarray, g: np.ndarray) -> None:
+    """``acc += g`` in fp32, in place. bfloat16 is widened by a bit shift (exact, and far faster
+    than a generic dtype cast)."""
+    if g.dtype == jnp.bfloat16:
+        wide = np.left_shift(g.view(np.uint16).astype(np.uint32), 16).view(np.float32)
+        np.add(acc, wide, out=acc)
+    else:
+        np.add(acc, g, out=acc, casting="same_kind")
+
+
 def zenflow_settings(block: Optional[dict]) -> dict:
     """The zenflow block with defaults filled in and checked (the same rules as the DeepSpeed config)."""
     z = dict(DEFAULTS, **(block or {}))
@@ -391,8 +401,7 @@ class ZenFlowStep:
         for j, g in enumerate(grads):
             host = np.asarray(g)
             self.bytes_to_host += host.nbytes
-            view = self._view(acc, j)
-            np.add(view, host.astype(np.float32), out=view)
+            _accumulate(self._view(acc, j), host)
         self.acc_steps[self.cur] += 1
         imp, unimp = np.asarray(metrics["imp"], np.float64), np.asarray(metrics["unimp"], np.float64)
         self._imp_sum += imp

@@ -53,13 +53,13 @@ def _replicated(plan: ZeroPlan) -> NamedSharding:
 def state_shardings(plan: ZeroPlan, tx) -> TrainState:
     """The sharding of every leaf of a TrainState for ``plan`` and ``tx`` (a TrainState of shardings)."""
     rep = _replicated(plan)
-    opt_shapes = jax.eval_shape(tx.init, plan.abstract_master())
     scaler = jax.tree_util.tree_map(lambda _: rep, plan.config.loss_scaler.init())
+    on_nvme = plan.config.offload_optimizer == "nvme"  # the master and moments live in files
     return TrainState(
         step=rep,
         params=plan.param_shardings,
-        master=plan.master_shardings if plan.has_master else None,
-        opt_state=plan.opt_state_shardings(opt_shapes),
+        master=plan.master_shardings if plan.has_master and not on_nvme else None,
+        opt_state=None if on_nvme else plan.opt_state_shardings(jax.eval_shape(tx.init, plan.abstract_master())),
         loss_scale=scaler,
         rng=rep,
         plan=plan,
@@ -73,6 +73,8 @@ def _build_fn(plan: ZeroPlan, tx):
 
     def build(full):
         params = plan.map(lambda lay, x: plan.pad(x.astype(cdt), lay) if lay.params_partitioned else x.astype(cdt), full)
+        if plan.config.offload_optimizer == "nvme":  # the step creates the state in files
+            return jax.tree_util.tree_map(lambda x: jnp.array(x, copy=True), (params, None, None))
         master = plan.map(lambda lay, x: x.astype(jnp.float32), full)
         opt_state = plan.opt_to_storage(tx.init(master))
         out = (params, plan.to_storage(master) if plan.has_master else None, opt_state)
@@ -170,8 +172,8 @@ def abstract_train_state(params_or_init, tx: optax.GradientTransformation, *, me
 def unshard_params(state: TrainState, dtype=None):
     """Logical params (unpadded) gathered by XLA; dtype defaults to the user's original dtypes."""
     plan = state.plan
-    src = state.master if plan.has_master else state.params
-    master_layout = plan.has_master
+    master_layout = plan.has_master and state.master is not None  # (nvme: the master is in files)
+    src = state.master if master_layout else state.params
 
     def one(lay, x):
         partitioned = plan.opt_partitioned(lay) if master_layout else lay.params_partitioned

@@ -408,6 +408,10 @@ def make_train_step(loss_fn: Callable, state: TrainState, *, has_aux: bool = Fal
         from zerojax.zenflow import ZenFlowStep
 
         return ZenFlowStep(loss_fn, state, has_aux)
+    if plan.config.offload_optimizer == "nvme":
+        from zerojax.offload.engine import HostLoopStep
+
+        return HostLoopStep(loss_fn, state, has_aux, store="nvme", check_errors=check_errors)
     fn = _update_fn(loss_fn, plan, state.tx, has_aux)
     shardings = state.shardings
     batch_sharding = NamedSharding(plan.mesh, P(plan.data_axis))

@@ -109,20 +109,22 @@ def adamw_hyperparams(state: TrainState) -> dict:
     block = state.plan.config.optimizer
     if block:
         if block.get("type", "").lower() not in ("adam", "adamw"):
-            raise ConfigError(f"zenflow updates with AdamW; optimizer.type is {block.get('type')!r}. "
+            raise ConfigError(f"zenflow and nvme offload update with AdamW; optimizer.type is {block.get('type')!r}. "
                               'Fix: use "type": "AdamW"')
         p = block.get("params", {})
         b1, b2 = p.get("betas", (0.9, 0.999))
         return {"lr": float(p.get("lr", 1e-3)), "b1": float(b1), "b2": float(b2), "eps": float(p.get("eps", 1e-8)),
                 "weight_decay": float(p.get("weight_decay", 0.0))}
     found = None
-    for leaf in jax.tree_util.tree_leaves(state.opt_state, is_leaf=lambda x: hasattr(x, "hyperparams")):
+    # the state's optimizer state, or (when it lives in files) a fresh one of a dummy param
+    opt_state = state.opt_state if state.opt_state is not None else state.tx.init(jnp.zeros((1,), jnp.float32))
+    for leaf in jax.tree_util.tree_leaves(opt_state, is_leaf=lambda x: hasattr(x, "hyperparams")):
         if hasattr(leaf, "hyperparams"):
             found = leaf.hyperparams
             break
     if not found or "learning_rate" not in found:
         raise ConfigError(
-            "zenflow runs AdamW on the device and on the host and needs its settings: build the state with "
+            "this step runs AdamW on the host (zenflow, offload_optimizer='nvme') and needs its settings: build the state with "
             "tx=optax.inject_hyperparams(optax.adamw)(learning_rate=..., weight_decay=...) or give the "
             'DeepSpeed block optimizer={"type": "AdamW", "params": {...}} in the config.')
     get = lambda k, d: float(np.asarray(found[k])) if k in found else d  # noqa: E731

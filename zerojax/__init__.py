@@ -73,3 +73,6 @@ from zerojax import checkpoint as checkpoint
 from zerojax.checkpoint import CheckpointManager as CheckpointManager
 
 __all__ += ["checkpoint", "CheckpointManager"]
+from zerojax import distributed as distributed
+
+__all__ += ["distributed"]

@@ -78,6 +78,25 @@ def same_memory_space(x, like):
     return jax.device_put(x, space)
 
 
+def backends_are_initialized() -> bool:
+    """Whether jax has created its backends (after which device counts and collectives are fixed)."""
+    try:
+        from jax._src.xla_bridge import backends_are_initialized as initialized
+    except ImportError:  # moved: jax.distributed.initialize raises its own error instead
+        return False
+    return bool(initialized())
+
+
+def distributed_is_initialized() -> bool:
+    """Whether ``jax.distributed.initialize`` has run in this process."""
+    is_initialized = getattr(jax.distributed, "is_initialized", None)
+    if is_initialized is not None:
+        return bool(is_initialized())
+    from jax._src.distributed import global_state  # a jax without the public query
+
+    return global_state.client is not None
+
+
 def to_device_memory(x):
     """``x`` moved (while tracing) from host memory to device memory; device values unchanged."""
     space = getattr(jax.typeof(x), "memory_space", None)

@@ -25,7 +25,8 @@ On-disk layout (plain Orbax; ``orbax.checkpoint`` alone restores it)::
                                       "step": i32[], "loss_scale": {...}, "rng": u32[2]}; nested
                                       dicts keyed by the tree path's parts ("opt_state/0/mu/emb")
         zerojax/metadata              JSON: format, logical shape and dtype per leaf, per-leaf
-                                      checksums, and the saving run's stage / mesh / precision
+                                      checksums, and the saving run's stage / mesh / process
+                                      count / precision
         data_state/metadata           JSON: the user's data_state dict ({} when none)
         model_16bit.safetensors       only with ZeroConfig(gather_16bit_weights_on_model_save=True)
 
@@ -36,6 +37,13 @@ Crash safety. A step that is not complete (a leftover temporary directory from a
 or a step directory without its metadata) is skipped with a warning naming it; restore takes
 the newest complete step. Every leaf carries a checksum of its logical values, checked on
 restore, so a damaged or missing data file is an error, never zeros.
+
+Several processes (``zj.distributed.initialize()``). Every process calls ``save`` and ``restore``
+with the same step; each writes and reads only the shards of its own devices, so the directory
+must be one that every process sees (a shared filesystem or an object store). A checkpoint
+written by any number of processes restores with any other number, as it does onto any mesh.
+``consolidate`` reads leaf by leaf in the one process that calls it, without waiting for the
+others; the 16-bit copy below is written by process 0.
 
 ``gather_16bit_weights_on_model_save``: after a save's asynchronous write has finished (at
 ``wait_until_finished()``, the next ``save`` or ``close()``), the manager streams the params
@@ -161,12 +169,13 @@ def logical_tree(state: TrainState):
         opt_out_sh[path] = _disk_sharding(plan, lay) if lay is not None else _device(home)
     out_sh = ({"params": {lay.path: _disk_sharding(plan, lay) for lay in plan.leaves},
                "opt_state": opt_out_sh, "step": rep,
-               "loss_scale": {k: rep for k in _scaler_dict(state.loss_scale)}, "rng": rep}, None)
+               "loss_scale": {k: rep for k in _scaler_dict(state.loss_scale)}, "rng": rep}, rep)
     opt_leaves = [x for _, x, _ in opt]
     flat, sums = jax.jit(build, out_shardings=out_sh)(src, opt_leaves, state.step, state.loss_scale, state.rng)
     meta = {
         "format": FORMAT,
-        "saved_with": {"stage": plan.stage, "devices": plan.n, "precision": plan.config.precision},
+        "saved_with": {"stage": plan.stage, "devices": plan.n, "processes": jax.process_count(),
+                       "precision": plan.config.precision},
         "params": {lay.path: {"shape": list(lay.shape), "dtype": np.dtype(lay.dtype).name} for lay in plan.leaves},
         "opt_state": {path: {"shape": list(lay.shape if lay is not None else x.shape),
                              "dtype": np.dtype(x.dtype).name, "mirrors": None if lay is None else lay.path}
@@ -255,7 +264,9 @@ def _relayout(restored: dict, target: TrainState, opt, homes):
         scaler = type(target.loss_scale)(**loss_scale)
         return (step, params, master, opt_state, scaler, rng), sums
 
-    out_sh = ((homes.step, homes.params, homes.master, homes.opt_state, homes.loss_scale, homes.rng), None)
+    # checksums replicated: every process reads them (another process's shard cannot be fetched)
+    out_sh = ((homes.step, homes.params, homes.master, homes.opt_state, homes.loss_scale, homes.rng),
+              NamedSharding(plan.mesh, P()))
     (step, params, master, opt_state, scaler, rng), sums = jax.jit(build, out_shardings=out_sh)(
         flat_params, flat_opt, restored["step"], restored["loss_scale"], restored["rng"])
     state = TrainState(step=step, params=params, master=master, opt_state=opt_state, loss_scale=scaler,
@@ -324,9 +335,24 @@ def _read_meta(step_dir: str) -> dict:
     return meta
 
 
-def _read_state(step_dir: str, item, restore_args):
+def _this_process_only() -> ocp.options.MultiprocessingOptions:
+    """Orbax options for work one process does alone (consolidation): no barrier with the others."""
+    me = jax.process_index()
+    return ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me})
+
+
+def _checkpointer(this_process_only: bool):
+    if not this_process_only or jax.process_count() == 1:
+        return ocp.PyTreeCheckpointer()
+    options = _this_process_only()
+    return ocp.Checkpointer(ocp.PyTreeCheckpointHandler(multiprocessing_options=options),
+                            multiprocessing_options=options)
+
+
+def _read_state(step_dir: str, item, restore_args, this_process_only: bool = False):
+    """Read the state item; every process together, or (``this_process_only``) this one alone."""
     try:
-        return ocp.PyTreeCheckpointer().restore(
+        return _checkpointer(this_process_only).restore(
             os.path.join(step_dir, _STATE),
             args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True))
     except Exception as e:  # tensorstore/orbax raise many types; name the step and keep the cause
@@ -453,7 +479,7 @@ def _read_leaf(step_dir: str, path: str, shape) -> np.ndarray:
     """One param leaf into host memory as numpy (no device copy), sliced to its logical ``shape``."""
     item = {"params": _nest({path: 0})}
     args = {"params": _nest({path: ocp.RestoreArgs(restore_type=np.ndarray)})}
-    x = _get(_read_state(step_dir, item, args)["params"], path)
+    x = _get(_read_state(step_dir, item, args, this_process_only=True)["params"], path)
     if tuple(x.shape) != tuple(shape):  # split dimension padded by the saving mesh
         x = x[tuple(slice(0, s) for s in shape)]
     return np.ascontiguousarray(x)
@@ -470,7 +496,8 @@ def consolidate(checkpoint_dir, out, dtype: str = "float32", format: str = "safe
 
     ``format="safetensors"``: tensors named by tree path joined with "." (``blocks.0.attn.qkv.kernel``);
     peak memory stays near the largest leaf. ``format="orbax"``: a plain Orbax PyTree of the params
-    (this path holds the whole params tree in host memory). Returns ``out``.
+    (this path holds the whole params tree in host memory). Returns ``out``. In a multi-process
+    run one process may call it alone (``if jax.process_index() == 0``): it waits for no other.
     """
     from tqdm.auto import tqdm
 
@@ -495,7 +522,7 @@ def consolidate(checkpoint_dir, out, dtype: str = "float32", format: str = "safe
 
     if format == "orbax":
         tree = _nest({path: read(path, info) for path, info in bar})
-        ocp.PyTreeCheckpointer().save(os.path.abspath(os.fspath(out)), tree, force=True)
+        _checkpointer(this_process_only=True).save(os.path.abspath(os.fspath(out)), tree, force=True)
         return out
 
     header, offset = {}, 0
@@ -507,7 +534,7 @@ def consolidate(checkpoint_dir, out, dtype: str = "float32", format: str = "safe
     header["__metadata__"] = {"format": "np", "step": str(step)}
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
-    tmp = os.fspath(out) + ".tmp"
+    tmp = f"{os.fspath(out)}.tmp{os.getpid()}"  # processes consolidating side by side do not collide
     with open(tmp, "wb") as f:
         f.write(_struct.pack("<Q", len(blob)))
         f.write(blob)

@@ -7,7 +7,8 @@ prints the resolved ZeroConfig (every field, "auto" filled) as JSON, or the erro
 
 Adding a command: write ``_add_<group>_<name>(subparsers)`` that adds its parser and sets
 ``func`` (a function of the parsed arguments returning the exit code), then list it under its
-group in ``_COMMANDS``.
+group in ``_COMMANDS``. A command whose arguments all belong to another program (``launch``)
+is listed in ``_PASSTHROUGH`` and receives the rest of the command line as it is.
 """
 from __future__ import annotations
 
@@ -203,6 +204,14 @@ _COMMANDS: dict[str, tuple[str, list[Callable]]] = {
 }
 
 
+# commands whose arguments belong to another program: everything after the name is passed through
+# (``zerojax launch --nproc 2 train.py --steps 10``); value: (help, "module:function(argv) -> exit code")
+_PASSTHROUGH = {
+    "launch": ("start N processes of a training script (one host, or a hostfile's hosts over ssh)",
+               "zerojax.launch:main"),
+}
+
+
 # shorter spellings: ``zerojax consolidate CKPT OUT`` is ``zerojax checkpoint consolidate CKPT OUT``
 _ALIASES = {"consolidate": ["checkpoint", "consolidate"]}
 
@@ -217,6 +226,8 @@ def build_parser() -> argparse.ArgumentParser:
         for add in adders:
             add(sub)
         parser.group_commands[group] = list(sub.choices)
+    for name, (help_text, _) in _PASSTHROUGH.items():
+        groups.add_parser(name, help=help_text, add_help=False)
     return parser
 
 
@@ -235,8 +246,14 @@ def _expand(parser, argv: Sequence[str]) -> list:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the command line; returns the exit code (0 ok, 2 errors)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in _PASSTHROUGH:
+        import importlib
+
+        module, _, function = _PASSTHROUGH[argv[0]][1].partition(":")
+        return getattr(importlib.import_module(module), function)(argv[1:])
     parser = build_parser()
-    args = parser.parse_args(_expand(parser, sys.argv[1:] if argv is None else argv))
+    args = parser.parse_args(_expand(parser, argv))
     try:
         return args.func(args)
     except ConfigError as e:

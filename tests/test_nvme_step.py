@@ -16,7 +16,8 @@ from zerojax.offload.engine import HostLoopStep
 
 
 def adamw():
-    return optax.inject_hyperparams(optax.adamw)(learning_rate=1e-2, weight_decay=0.1)
+    schedule = optax.linear_schedule(1e-2, 1e-3, 4)  # followed step by step on the host
+    return optax.inject_hyperparams(optax.adamw)(learning_rate=schedule, weight_decay=0.1)
 
 
 def nvme_state(path, stage=2, precision="fp32", **kw):

@@ -154,3 +154,24 @@ def test_zen_auto_fires_when_the_unimportant_mass_catches_up():
     assert sorted(np.asarray(step.important["w"]).tolist()) == [0, 1]
     assert AUTO_MAX_INTERVAL > 10  # fired by the criterion, not the cap
     step.close()
+
+
+def test_learning_rate_schedule_is_followed_on_device_and_host():
+    params = init_params(jax.random.PRNGKey(0))
+    data = batches(6)
+
+    def tx():
+        sched = optax.warmup_cosine_decay_schedule(0.0, 2e-2, 2, 6, 2e-3)
+        return optax.inject_hyperparams(optax.adamw)(learning_rate=sched, weight_decay=0.1)
+
+    want, _ = reference_train(params, tx(), data)
+    state = zen_state(params, {"update_interval": 1, "topk_ratio": 0.3, "select_strategy": "step",
+                               "select_interval": 100}, tx=tx())
+    step = zj.make_train_step(loss_fn, state)
+    lrs = []
+    for b in data:
+        state, m = step(state, b)
+        lrs.append(m["learning_rate"])
+    assert lrs[0] == 0.0 and max(lrs) == pytest.approx(2e-2)
+    assert max_rel_err(logical_params(state), want) < 1e-6
+    step.close()

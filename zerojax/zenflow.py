@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import math
 import os
-import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Optional
 
@@ -115,14 +114,10 @@ def adamw_hyperparams(state: TrainState) -> dict:
         b1, b2 = p.get("betas", (0.9, 0.999))
         return {"lr": float(p.get("lr", 1e-3)), "b1": float(b1), "b2": float(b2), "eps": float(p.get("eps", 1e-8)),
                 "weight_decay": float(p.get("weight_decay", 0.0))}
-    found = None
     # the state's optimizer state, or (when it lives in files) a fresh one of a dummy param
     opt_state = state.opt_state if state.opt_state is not None else state.tx.init(jnp.zeros((1,), jnp.float32))
-    for leaf in jax.tree_util.tree_leaves(opt_state, is_leaf=lambda x: hasattr(x, "hyperparams")):
-        if hasattr(leaf, "hyperparams"):
-            found = leaf.hyperparams
-            break
-    if not found or "learning_rate" not in found:
+    found = _hyperparams(opt_state)
+    if found is None:
         raise ConfigError(
             "this step runs AdamW on the host (zenflow, offload_optimizer='nvme') and needs its settings: build the state with "
             "tx=optax.inject_hyperparams(optax.adamw)(learning_rate=..., weight_decay=...) or give the "
@@ -130,6 +125,40 @@ def adamw_hyperparams(state: TrainState) -> dict:
     get = lambda k, d: float(np.asarray(found[k])) if k in found else d  # noqa: E731
     return {"lr": get("learning_rate", 1e-3), "b1": get("b1", 0.9), "b2": get("b2", 0.999),
             "eps": get("eps", 1e-8), "weight_decay": get("weight_decay", 1e-4)}
+
+
+class LearningRate:
+    """The learning rate of each step: the schedule of an ``inject_hyperparams`` optimizer,
+    followed through a one-element shadow of its state, or the constant from the config."""
+
+    def __init__(self, state: TrainState, constant: float):
+        self.constant = constant
+        self._shadow = None
+        if not state.plan.config.optimizer:
+            try:
+                shadow = state.tx.init(jnp.zeros((1,), jnp.float32))
+            except Exception:  # noqa: BLE001 - an optimizer that cannot init a tiny tree: constant
+                shadow = None
+            if _hyperparams(shadow) is not None:
+                self._shadow = shadow
+                zero = jnp.zeros((1,), jnp.float32)
+                self._advance = jax.jit(lambda s: state.tx.update(zero, s, zero)[1])
+
+    def next(self) -> float:
+        """This step's learning rate (advances the schedule by one step)."""
+        if self._shadow is None:
+            return self.constant
+        self._shadow = self._advance(self._shadow)
+        return float(_hyperparams(self._shadow)["learning_rate"])
+
+
+def _hyperparams(opt_state):
+    if opt_state is None:
+        return None
+    for leaf in jax.tree_util.tree_leaves(opt_state, is_leaf=lambda x: hasattr(x, "hyperparams")):
+        if hasattr(leaf, "hyperparams") and "learning_rate" in leaf.hyperparams:
+            return leaf.hyperparams
+    return None
 
 
 class ZenFlowStep:
@@ -168,13 +197,17 @@ class ZenFlowStep:
         self.vec = [i for i in range(len(plan.leaves)) if i not in self.mat]
         self.topk = [max(1, math.ceil(self.k * plan.leaves[i].shape[0])) for i in self.mat]
         hp = self.hp
-        self.dev_tx = optax.adamw(hp["lr"], hp["b1"], hp["b2"], hp["eps"], weight_decay=hp["weight_decay"])
+        # AdamW without its learning rate, which is applied per step (schedules): optax.adamw is
+        # this chain followed by scaling with -lr
+        self.dev_tx = optax.chain(optax.scale_by_adam(hp["b1"], hp["b2"], hp["eps"]),
+                                  optax.add_decayed_weights(hp["weight_decay"]))
+        self.lr = LearningRate(state, hp["lr"])
         cores = os.cpu_count() or 1
         threads = max(1, round(cores * float(self.z["pt_reserved_cores_perc"])))
         self.host_opt = HostAdamW(lr=hp["lr"], b1=hp["b1"], b2=hp["b2"], eps=hp["eps"],
                                   weight_decay=hp["weight_decay"], num_threads=threads)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="zenflow-host") if self.overlap else None
-        self._lock = threading.Lock()
+        self._lr_now = hp["lr"]
 
         # ---- host buffers (fp32, logical shapes of the 2-D weights, one flat buffer each)
         logical = self._logical_params(state)
@@ -244,7 +277,10 @@ class ZenFlowStep:
                     "sel_opt": tx.init([jnp.zeros((k,) + plan.leaves[i].shape[1:], f32) for i, k in zip(mat, topk)]),
                     "vec": vec_master, "vec_opt": tx.init(vec_master)}
 
-        def device_step(params, dev, batch, rng, reselect: bool, warm: bool):
+        def descend(ps, updates, lr):
+            return jax.tree_util.tree_map(lambda p, u: p + u * (-lr), ps, updates)
+
+        def device_step(params, dev, batch, rng, lr, reselect: bool, warm: bool):
             stored = plan.treedef.flatten_up_to(params)
             leaves = logical(stored)
             g_st, loss = compute_grads(params, batch, f32(1.0), rng)
@@ -264,12 +300,12 @@ class ZenFlowStep:
             out = list(leaves)
             if not warm:
                 upd, sel_opt = tx.update(g_sel, sel_opt, sel)
-                sel = optax.apply_updates(sel, upd)
+                sel = descend(sel, upd, lr)
                 for i, ix, s in zip(mat, idx, sel):
                     out[i] = leaves[i].at[ix].set(s.astype(cdt))
             vec_g = [g[i] for i in vec]
             upd, vec_opt = tx.update(vec_g, dev["vec_opt"], dev["vec"])
-            vec_master = optax.apply_updates(dev["vec"], upd)
+            vec_master = descend(dev["vec"], upd, lr)
             for i, x in zip(vec, vec_master):
                 out[i] = x.astype(cdt)
             imp = jnp.stack([jnp.sum(jnp.abs(x)) for x in g_sel]) if mat else jnp.zeros((0,))
@@ -295,13 +331,13 @@ class ZenFlowStep:
                               out_shardings=shardings)
 
     # ------------------------------------------------------------------ host side
-    def _host_update(self, acc_i: int, through: int) -> tuple:
+    def _host_update(self, acc_i: int, through: int, lr: float) -> tuple:
         """AdamW on the host over the mean gradient of the accumulator; runs on a worker thread
         with ``overlap_step``. Returns the updated weights (compute dtype) and ``through``."""
         n = self.acc_steps[acc_i]
         self.host_count += 1
         self.host_opt.step(self.master, self.acc[acc_i], self.m, self.v, count=self.host_count,
-                           grad_scale=1.0 / n, out16=self.out16)
+                           lr=lr, grad_scale=1.0 / n, out16=self.out16)
         result = (self.out16 if self.out16 is not None else self.master).copy()
         self.acc[acc_i][...] = 0
         self.acc_steps[acc_i] = 0
@@ -333,9 +369,9 @@ class ZenFlowStep:
             return params
         through = self.steps
         if sync or self._executor is None:
-            params = self._apply(params, self._host_update(acc_i, through))
+            params = self._apply(params, self._host_update(acc_i, through, self._lr_now))
         else:
-            self._pending = self._executor.submit(self._host_update, acc_i, through)
+            self._pending = self._executor.submit(self._host_update, acc_i, through, self._lr_now)
             self.cur = 1 - self.cur  # the device's next gradients go to the other accumulator
         self._unimp[:] = 0
         self._imp_sum[:] = 0
@@ -394,7 +430,9 @@ class ZenFlowStep:
             self.since_select = 0
             self.epochs_since_select = 0
         rng = jax.random.fold_in(state.rng, state.step)
-        params, self.dev, grads, metrics = self._device_step(params, self.dev, batch, rng,
+        lr = self.lr.next()
+        self._lr_now = lr
+        params, self.dev, grads, metrics = self._device_step(params, self.dev, batch, rng, jnp.float32(lr),
                                                              reselect=reselect, warm=warm)
         self.steps += 1
         self.since_select += 1
@@ -428,7 +466,7 @@ class ZenFlowStep:
         self.important = {self.plan.leaves[i].path: ix for i, ix in zip(self.mat, self.dev["idx"])}
         new_state = state.replace(step=state.step + 1, params=params)
         out = {"loss": metrics["loss"], "grad_norm": metrics["grad_norm"], "staleness": staleness,
-               "host_updates": self.host_updates}
+               "host_updates": self.host_updates, "learning_rate": lr}
         return new_state, out
 
     def finish(self, state: TrainState) -> TrainState:

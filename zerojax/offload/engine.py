@@ -63,7 +63,7 @@ class HostLoopStep:
     def __init__(self, loss_fn: Callable, state: TrainState, has_aux: bool = False, store: str = "nvme",
                  check_errors: bool = True):
         from zerojax.step import check_state, clip_coefficient, grads_fn
-        from zerojax.zenflow import adamw_hyperparams
+        from zerojax.zenflow import LearningRate, adamw_hyperparams
 
         plan = state.plan
         cfg = plan.config
@@ -74,6 +74,7 @@ class HostLoopStep:
         hp = adamw_hyperparams(state)
         self.host_opt = HostAdamW(lr=hp["lr"], b1=hp["b1"], b2=hp["b2"], eps=hp["eps"],
                                   weight_decay=hp["weight_decay"])
+        self.lr = LearningRate(state, hp["lr"])
         self.cdt = plan.compute_dtype
         self.sizes = [int(np.prod(lay.shape)) for lay in plan.leaves]
         self.offsets = np.concatenate([[0], np.cumsum(self.sizes)]).astype(np.int64)
@@ -135,7 +136,7 @@ class HostLoopStep:
             self.count += 1
             # a failed write raises NvmeError here; the store keeps its last committed step and
             # the caller's state (not donated) is untouched
-            self.store.step(self.grads, self.count, out16=self.out16)
+            self.store.step(self.grads, self.count, lr=self.lr.next(), out16=self.out16)
             flat = self.out16 if self.out16 is not None else self.store.read_master()
             new = [flat[self.offsets[j]:self.offsets[j + 1]].reshape(lay.shape)
                    for j, lay in enumerate(self.plan.leaves)]

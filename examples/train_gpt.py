@@ -3,10 +3,20 @@
 The corpus is the source of Python's own standard library (present on every machine),
 read as bytes: a 256-token vocabulary and no download.
 
-    python examples/train_gpt.py                      # ZeRO-2, bf16, 200 steps
+    python examples/train_gpt.py                                   # ZeRO-2, bf16, 200 steps
     python examples/train_gpt.py --stage 3 --precision fp32 --steps 100
+    python examples/train_gpt.py --stage 2 --grad-accum 4 --precision fp16
+    python examples/train_gpt.py --stage 3 --offload-optimizer cpu --offload-param cpu
+    python examples/train_gpt.py --stage 2 --offload-optimizer nvme --nvme-path /local/nvme
+    python examples/train_gpt.py --deepspeed-config examples/ds_configs/zero3_offload.json
+
+With ``--deepspeed-config`` the JSON decides the stage, offload, precision blocks and optimizer,
+its "auto" values filled from this script's options (--batch, --grad-accum, --lr, --clip,
+--steps, --precision) as DeepSpeed's Hugging Face integration fills them; a value written in the
+file that disagrees with an option is an error naming both.
 """
 import argparse
+import json
 import os
 import sys
 import time
@@ -45,13 +55,79 @@ def sample_batch(rng, data, batch, seq):
     return {"tokens": np.stack([data[s:s + seq + 1] for s in starts])}
 
 
+def config_precision(path: str) -> str:
+    """The precision a DeepSpeed JSON asks for: its enabled fp16/bf16 block, bf16 where they say "auto"."""
+    with open(path) as f:
+        raw = json.load(f)
+    for name in ("fp16", "bf16"):
+        if (raw.get(name) or {}).get("enabled") is True:
+            return name
+    return "bf16"
+
+
+def build(args, cfg, mesh):
+    """(state, step, global batch) from the options, or from the DeepSpeed config file."""
+    n = len(mesh.devices.flat)
+    init = lambda k: init_params(cfg, k)  # noqa: E731
+    if args.deepspeed_config:
+        given = [f"--{k.replace('_', '-')}" for k in ("stage", "offload_optimizer", "offload_param", "nvme_path")
+                 if getattr(args, k) is not None]
+        if given:
+            sys.exit(f"error: {', '.join(given)} and --deepspeed-config both set ZeRO options: write them in "
+                     f"{args.deepspeed_config} (zero_optimization) or drop --deepspeed-config")
+        micro, rem = divmod(args.batch, n * args.grad_accum)
+        if rem or micro < 1:
+            sys.exit(f"error: --batch {args.batch} must be a multiple of {n} devices x --grad-accum {args.grad_accum}")
+        training_args = zj.TrainingArgs(
+            per_device_train_batch_size=micro, gradient_accumulation_steps=args.grad_accum, learning_rate=args.lr,
+            weight_decay=0.1, max_grad_norm=args.clip, warmup_steps=max(1, args.steps // 10), max_steps=args.steps,
+            bf16=args.precision == "bf16", fp16=args.precision == "fp16")
+        try:
+            state, step = zj.initialize(init, loss_fn(cfg), args.deepspeed_config, mesh=mesh,
+                                        training_args=training_args, hidden_size=cfg.d_model,
+                                        rng=jax.random.PRNGKey(args.seed))
+        except zj.ConfigError as e:
+            sys.exit(f"error: {args.deepspeed_config}: {e}")
+        return state, step, state.plan.config.train_batch_size
+    if args.batch % (n * args.grad_accum):
+        sys.exit(f"error: --batch {args.batch} must be a multiple of {n} devices x --grad-accum {args.grad_accum}")
+    try:
+        # stage 3 keeps leaves under 10 x d_model elements whole (DeepSpeed's "auto"), so this small
+        # model's matrices are partitioned too
+        config = zj.ZeroConfig(stage=2 if args.stage is None else args.stage, precision=args.precision,
+                               gradient_accumulation_steps=args.grad_accum, gradient_clipping=args.clip,
+                               offload_optimizer=args.offload_optimizer, offload_param=args.offload_param,
+                               nvme_path=args.nvme_path, param_persistence_threshold=10 * cfg.d_model)
+    except zj.ConfigError as e:
+        sys.exit(f"error: {e}")
+    schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, max(1, args.steps // 10), args.steps, args.lr / 10)
+    tx = optax.inject_hyperparams(optax.adamw)(learning_rate=schedule, weight_decay=0.1)
+    state = zj.shard_train_state(init, tx, mesh=mesh, config=config, rng=jax.random.PRNGKey(args.seed))
+    return state, zj.make_train_step(loss_fn(cfg), state), args.batch
+
+
+def describe_memory(report) -> str:
+    lines = []
+    for kind in report.kinds:
+        parts = ", ".join(f"{part} {v[kind] / 2**20:.2f}" for part, v in report.by_part.items() if v.get(kind))
+        lines.append(f"{kind} {report.max_bytes(kind) / 2**20:.2f} MiB ({parts})")
+    return "; ".join(lines)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--stage", type=int, default=2)
-    ap.add_argument("--precision", default="bf16", choices=["fp32", "bf16", "fp16"])
+    ap.add_argument("--stage", type=int, default=None, choices=[0, 1, 2, 3], help="ZeRO stage (default 2)")
+    ap.add_argument("--precision", default=None, choices=["fp32", "bf16", "fp16"],
+                    help="default bf16, or what --deepspeed-config enables")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--batch", type=int, default=32, help="global batch (sequences per optimizer step)")
-    ap.add_argument("--grad-accum", type=int, default=1)
+    ap.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps (micro-batches per step)")
+    ap.add_argument("--offload-optimizer", default=None, choices=["cpu", "nvme"],
+                    help="keep the optimizer state (and fp32 master params) in host memory or on NVMe")
+    ap.add_argument("--offload-param", default=None, choices=["cpu"], help="keep stage-3 params in host memory")
+    ap.add_argument("--nvme-path", default=None, help="directory for --offload-optimizer nvme")
+    ap.add_argument("--deepspeed-config", default=None, metavar="PATH.json",
+                    help="read stage, offload, precision and optimizer from a DeepSpeed JSON config")
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--d-model", type=int, default=128)
@@ -60,48 +136,50 @@ def main(argv=None):
     ap.add_argument("--scan", action="store_true", help="stack the layers and run them with lax.scan")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    if args.precision is None:
+        args.precision = config_precision(args.deepspeed_config) if args.deepspeed_config else "bf16"
 
     data = load_corpus()
     split = int(data.size * 0.95)
     train, held_out = data[:split], data[split:]
     cfg = GPTConfig(vocab=256, n_layer=args.layers, d_model=args.d_model, n_head=4, seq_len=args.seq, scan=args.scan)
     mesh = zj.make_mesh()
-    config = zj.ZeroConfig(stage=args.stage, precision=args.precision, gradient_accumulation_steps=args.grad_accum,
-                           gradient_clipping=args.clip)
-    schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, max(1, args.steps // 10), args.steps, args.lr / 10)
-    tx = optax.inject_hyperparams(optax.adamw)(learning_rate=schedule, weight_decay=0.1)
-    state = zj.shard_train_state(lambda k: init_params(cfg, k), tx, mesh=mesh, config=config,
-                                 rng=jax.random.PRNGKey(args.seed))
-    step = zj.make_train_step(loss_fn(cfg), state)
+    state, step, batch = build(args, cfg, mesh)
+    config = state.plan.config
     eval_loss = jax.jit(lambda p, b: loss_fn(cfg)(p, b))
 
-    report = zj.memory_report(state)
-    parts = ", ".join(f"{k} {v.get('device', 0) / 2**20:.2f}" for k, v in report.by_part.items())
-    print(f"GPT {cfg.n_params / 1e6:.2f}M params | {len(mesh.devices.flat)} devices | ZeRO stage {args.stage} | "
-          f"{args.precision} | {len(data) / 1e6:.1f} MB of text")
-    print(f"memory per device: {report.max_bytes('device') / 2**20:.2f} MiB stored ({parts} MiB)")
+    offload = ", ".join(f"{k} -> {getattr(config, k)}" for k in ("offload_optimizer", "offload_param")
+                        if getattr(config, k)) or "no offload"
+    n, gas = len(mesh.devices.flat), config.gradient_accumulation_steps
+    print(f"GPT {cfg.n_params / 1e6:.2f}M params | {n} devices | ZeRO stage {config.stage} | {config.precision} | "
+          f"{offload} | global batch {batch} = {n} devices x {gas} grad-accum x {batch // n // gas} micro-batch | "
+          f"{len(data) / 1e6:.1f} MB of text")
+    print(f"memory per device: {describe_memory(zj.memory_report(state))}")
 
     rng = np.random.default_rng(args.seed)
-    tokens_per_step = args.batch * args.seq
+    tokens_per_step = batch * args.seq
     bar = tqdm(range(args.steps), desc="train", unit="step")
     t0, first_loss = None, None
     for i in bar:
-        state, m = step(state, sample_batch(rng, train, args.batch, args.seq))
+        state, m = step(state, sample_batch(rng, train, batch, args.seq))
         if i == 0:
             jax.block_until_ready(state)
             t0 = time.perf_counter()  # exclude compilation
             first_loss = float(m["loss"])
         if i % 10 == 0 or i == args.steps - 1:
             rate = tokens_per_step * i / (time.perf_counter() - t0) if i else 0.0
-            bar.set_postfix(loss=f"{float(m['loss']):.3f}", lr=f"{float(m['learning_rate']):.1e}",
-                            tok_s=f"{rate:,.0f}", skipped=int(m["skipped"]))
+            shown = {"loss": f"{float(m['loss']):.3f}", "tok_s": f"{rate:,.0f}", "skipped": int(m["skipped"])}
+            if "learning_rate" in m:  # the NVMe-offload step does not report it
+                shown["lr"] = f"{float(m['learning_rate']):.1e}"
+            bar.set_postfix(shown)
     bar.close()
+    elapsed = time.perf_counter() - t0
     params = state.full_params()
     eval_rng = np.random.default_rng(1234)
     held = np.mean([float(eval_loss(params, sample_batch(eval_rng, held_out, 32, args.seq))) for _ in range(4)])
-    elapsed = time.perf_counter() - t0
+    rate = tokens_per_step * (args.steps - 1) / elapsed if args.steps > 1 else float("nan")
     print(f"loss {first_loss:.3f} -> {float(m['loss']):.3f} (held-out {held:.3f}, uniform {np.log(256):.3f}) | "
-          f"{tokens_per_step * (args.steps - 1) / elapsed:,.0f} tokens/s")
+          f"{rate:,.0f} tokens/s")
     return float(held)
 
 

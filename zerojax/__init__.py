@@ -76,3 +76,6 @@ __all__ += ["checkpoint", "CheckpointManager"]
 from zerojax import distributed as distributed
 
 __all__ += ["distributed"]
+from zerojax.autotune import autotune as autotune
+
+__all__ += ["autotune"]

@@ -1,56 +1,64 @@
 """Parameters updated per second: HostAdamW vs jax.jit(optax.adamw) on one CPU device.
 
     python benchmarks/host_adam.py                 # 50M fp32 params
-    python benchmarks/host_adam.py --sweep         # also try chunk sizes and thread counts
+    python benchmarks/host_adam.py --sweep         # also block sizes, chunk sizes, threads
 
-Both sides update 50M fp32 params with weight decay; the jax side donates params and
-optimizer state (its output tree is exactly its donated input tree, so every donated
-buffer is reused). Runs alternate between the two so background load hits both alike;
-the figure is the median of the repetitions. Bytes per second count the 28 bytes a
-single pass must move per parameter (read p, g, m, v; write p, m, v) and are printed
-next to this machine's streaming bandwidth, measured in the same run with a
-multi-threaded numpy copy (bytes read + written per second).
+Both sides update 50M fp32 params with fp32 gradients and weight decay, on the CPU
+backend whatever the default backend is. The jax side is ``optax.adamw(...).update`` plus
+``optax.apply_updates`` under ``jax.jit`` on one CPU device, params and optimizer state
+donated; the script checks in the compiled program that every donated buffer is aliased
+to its output. HostAdamW runs on ``host_zeros`` buffers (its compiled in-place path, with
+all threads and with one); its numpy path (plain numpy buffers) is timed too. Runs
+alternate between all candidates so background load hits them alike; figures are medians.
+
+Bytes per second: HostAdamW moves 28 bytes per parameter (read p, g, m, v; write p, m,
+v; each once). The jit baseline's traffic is what XLA's cost analysis counts for its
+compiled program (40 bytes: it runs three loops). Both are printed next to the machine's
+streaming bandwidth, measured in the same run: a numpy copy and a numpy in-place update
+(``a += b``) over 200 MB arrays, bytes read + written per second, with one thread and
+with all of them; the best of the four is the figure.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-
-from zerojax.offload.host_adam import HostAdamW  # noqa: E402
+from zerojax.offload.host_adam import HostAdamW, host_zeros
 
 BYTES_PER_PARAM = 28
 LR, WD = 1e-3, 0.01
 
 
-def copy_bandwidth(n: int, opt: HostAdamW) -> float:
-    """Bytes read + written per second by a copy split across the optimizer's threads."""
-    src = np.random.default_rng(1).random(n, dtype=np.float32)
-    dst = np.empty_like(src)
-    k = opt.num_threads
-    cuts = [n * i // k for i in range(k + 1)]
+def bandwidth_probes(n: int, threads: int) -> dict:
+    """name -> run(): each returns the bytes it read + wrote."""
+    a = np.random.default_rng(1).random(n, dtype=np.float32)
+    b, c = np.ones_like(a), np.empty_like(a)
+    pool = ThreadPoolExecutor(threads)
 
-    def part(i):
-        np.copyto(dst[cuts[i]:cuts[i + 1]], src[cuts[i]:cuts[i + 1]])
+    def split(fn, k):
+        cuts = [n * i // k // 16 * 16 for i in range(k)] + [n]
+        list(pool.map(lambda i: fn(cuts[i], cuts[i + 1]), range(k)))
 
-    pool = opt._pool  # reuse the same threads the optimizer runs on
-    times = []
-    for _ in range(6):
-        t = time.perf_counter()
-        if pool is None:
-            part(0)
-        else:
-            list(pool.map(part, range(k)))
-        times.append(time.perf_counter() - t)
-    return 2 * src.nbytes / statistics.median(times[1:])
+    def copy(lo, hi):
+        np.copyto(c[lo:hi], a[lo:hi])
+
+    def update(lo, hi):
+        np.add(c[lo:hi], b[lo:hi], out=c[lo:hi])
+
+    probes = {}
+    for k in sorted({1, threads}):
+        probes[f"copy, {k} thread{'s' * (k > 1)}"] = (lambda k=k: split(copy, k), 8 * n)
+        probes[f"a += b, {k} thread{'s' * (k > 1)}"] = (lambda k=k: split(update, k), 12 * n)
+    return probes
 
 
 def make_jax_step(n: int):
@@ -60,37 +68,48 @@ def make_jax_step(n: int):
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
+    cpu = jax.devices("cpu")[0]
+    params = {"w": jax.device_put(np.random.default_rng(2).standard_normal(n, dtype=np.float32),
+                                  cpu) + 0}
+    grads = {"w": jax.device_put(np.random.default_rng(3).standard_normal(n, dtype=np.float32),
+                                 cpu) + 0}
+    state = [params, jax.device_put(tx.init(params), cpu)]
     fn = jax.jit(step, donate_argnums=(0, 2))
-    params = {"w": jnp.asarray(np.random.default_rng(2).standard_normal(n, dtype=np.float32))}
-    grads = {"w": jnp.asarray(np.random.default_rng(3).standard_normal(n, dtype=np.float32))}
-    state = [params, tx.init(params)]
+    compiled = fn.lower(state[0], grads, state[1]).compile()
+    # Every donated buffer (params, mu, nu, count) must come back as its own output.
+    donated = sum(x.nbytes for x in jax.tree.leaves((state[0], state[1])))
+    aliased = compiled.memory_analysis().alias_size_in_bytes
+    header = compiled.as_text().split("\n", 1)[0]
+    pairs = re.findall(r"\{(\d+)\}: \((\d+), \{\}", header)
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    info = {"aliased": aliased, "donated": donated, "pairs": pairs,
+            "bytes_per_param": cost["bytes accessed"] / n}
 
     def run():
-        state[0], state[1] = fn(state[0], grads, state[1])
+        state[0], state[1] = compiled(state[0], grads, state[1])
         jax.block_until_ready(state)
 
-    run()  # compile
-    return run
+    run()
+    return run, info
 
 
-def time_host(opt: HostAdamW, n: int, grad_dtype=np.float32, out16=False):
+def make_host_step(opt: HostAdamW, n: int, grad_dtype=np.float32, out16=False, host=True):
     rng = np.random.default_rng(4)
-    p = rng.standard_normal(n, dtype=np.float32)
-    g = rng.standard_normal(n, dtype=np.float32).astype(grad_dtype)
-    m, v = np.zeros_like(p), np.zeros_like(p)
-    o16 = np.empty(n, jnp.bfloat16) if out16 else None
+    alloc = host_zeros if host else (lambda k, dt=np.float32: np.zeros(k, dt))
+    p, m, v = alloc(n), alloc(n), alloc(n)
+    p[:] = rng.standard_normal(n, dtype=np.float32)
+    g = alloc(n, grad_dtype)
+    g[:] = rng.standard_normal(n, dtype=np.float32).astype(grad_dtype)
+    o16 = alloc(n, jnp.bfloat16) if out16 else None
     count = [0]
 
     def run():
         count[0] += 1
         opt.step(p, g, m, v, count[0], out16=o16)
 
-    run()  # fault in pages
+    run()  # compile, fault in pages
     return run
-
-
-def median_time(fn, reps: int) -> float:
-    return statistics.median(timed(fn)[0] for _ in range(reps))
 
 
 def timed(fn):
@@ -100,52 +119,92 @@ def timed(fn):
     return time.perf_counter() - w, time.process_time() - c
 
 
+def interleaved(cands: dict, reps: int) -> dict:
+    out = {k: [] for k in cands}
+    for _ in range(reps):
+        for k, fn in cands.items():
+            out[k].append(timed(fn))
+    return {k: (statistics.median(w for w, _ in t), statistics.median(c for _, c in t))
+            for k, t in out.items()}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=50_000_000)
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--chunk", type=int, default=65536)
+    ap.add_argument("--block", type=int, default=262144)
     ap.add_argument("--sweep", action="store_true")
     args = ap.parse_args()
     n = args.n
 
-    opt = HostAdamW(LR, weight_decay=WD, num_threads=args.threads, chunk_elements=args.chunk)
-    print(f"params: {n:,} fp32   host threads: {opt.num_threads}   chunk: {opt.chunk_elements}"
-          f"   jax {jax.__version__} on {jax.devices()[0]}   load average: "
+    opt = HostAdamW(LR, weight_decay=WD, num_threads=args.threads, block_elements=args.block)
+    print(f"params: {n:,} fp32   HostAdamW block: {opt.block_elements}   threads: "
+          f"{opt.num_threads}   jax {jax.__version__} on {jax.devices('cpu')[0]}   load average: "
           f"{os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
     if args.sweep:
-        for threads in sorted({1, 2, opt.num_threads, 2 * opt.num_threads}):
-            for chunk in (16384, 32768, 65536, 131072, 262144):
+        for block in (65536, 131072, 262144, 524288, 1048576):
+            with HostAdamW(LR, weight_decay=WD, num_threads=1, block_elements=block) as o:
+                w, _ = interleaved({"x": make_host_step(o, n)}, 5)["x"]
+            print(f"  sweep compiled (XLA alone) block={block:8d}: {n / w / 1e6:8.1f} M params/s")
+        for threads in sorted({1, opt.num_threads}):
+            for chunk in (16384, 65536, 262144):
                 with HostAdamW(LR, weight_decay=WD, num_threads=threads,
                                chunk_elements=chunk) as o:
-                    t = median_time(time_host(o, n), 5)
-                print(f"  sweep threads={threads:2d} chunk={chunk:7d}: {n / t / 1e6:8.1f} M params/s")
+                    w, _ = interleaved({"x": make_host_step(o, n, host=False)}, 5)["x"]
+                print(f"  sweep numpy threads={threads:2d} chunk={chunk:7d}: "
+                      f"{n / w / 1e6:8.1f} M params/s")
 
-    bw = copy_bandwidth(n, opt)
-    host, xla = time_host(opt, n), make_jax_step(n)
-    t_host, t_jax = [], []
-    for _ in range(args.reps):  # interleaved so background load hits both alike
-        t_host.append(timed(host))
-        t_jax.append(timed(xla))
-    th, tj = (statistics.median(w for w, _ in t) for t in (t_host, t_jax))
-    ch, cj = (statistics.median(c for _, c in t) for t in (t_host, t_jax))
-    host_rate, jax_rate = n / th, n / tj
-    print(f"streaming bandwidth (numpy copy, {opt.num_threads} threads): {bw / 1e9:7.2f} GB/s")
-    print(f"HostAdamW            : {host_rate / 1e6:8.1f} M params/s   "
-          f"{host_rate * BYTES_PER_PARAM / 1e9:6.2f} GB/s  ({th * 1e3:.1f} ms/step)")
-    print(f"jax.jit(optax.adamw) : {jax_rate / 1e6:8.1f} M params/s   "
-          f"{jax_rate * BYTES_PER_PARAM / 1e9:6.2f} GB/s  ({tj * 1e3:.1f} ms/step)")
-    print(f"ratio HostAdamW / jax: {host_rate / jax_rate:.2f}x   (goal >= 1.5x)")
-    print(f"per CPU-second (robust to other load): HostAdamW {n / ch / 1e6:.1f} M params, "
-          f"jax {n / cj / 1e6:.1f} M params; cores busy during a step: HostAdamW "
-          f"{ch / th:.2f}, jax {cj / tj:.2f}")
+    jax_run, info = make_jax_step(n)
+    probes = bandwidth_probes(n, opt.num_threads)
+    solo = HostAdamW(LR, weight_decay=WD, num_threads=1, block_elements=args.block)
+    cands = {"host": make_host_step(opt, n), "jax": jax_run,
+             "numpy": make_host_step(opt, n, host=False), "xla only": make_host_step(solo, n)}
+    cands.update({k: fn for k, (fn, _) in probes.items()})
+    res = interleaved(cands, args.reps)
 
-    for label, gdt, o16 in [("bf16 grads + bf16 out16", jnp.bfloat16, True),
-                            ("fp32 grads + bf16 out16", np.float32, True)]:
-        t = median_time(time_host(opt, n, gdt, o16), 5)
-        print(f"HostAdamW {label}: {n / t / 1e6:8.1f} M params/s")
+    bw = {k: nbytes / res[k][0] for k, (_, nbytes) in probes.items()}
+    best = max(bw, key=bw.get)
+    rate = {k: n / res[k][0] for k in ("host", "jax", "numpy", "xla only")}
+    ok = info["aliased"] == info["donated"] and len(info["pairs"]) == 4
+    print(f"jit baseline: donated {info['donated'] / 1e6:.0f} MB, aliased to outputs "
+          f"{info['aliased'] / 1e6:.0f} MB ({'all' if ok else 'NOT all'}; output<-param "
+          f"{', '.join(f'{o}<-{i}' for o, i in info['pairs'])}); XLA counts "
+          f"{info['bytes_per_param']:.1f} bytes moved per param")
+    print("streaming bandwidth (bytes read + written): "
+          + ", ".join(f"{k} {v / 1e9:.1f}" for k, v in bw.items())
+          + f" GB/s -> {bw[best] / 1e9:.1f} GB/s")
+    for key, label in (("host", "HostAdamW (host_zeros)"), ("jax", "jax.jit(optax.adamw)  "),
+                       ("numpy", "HostAdamW (numpy bufs)"), ("xla only", "  ... 1 thread (XLA) ")):
+        line = (f"{label}: {rate[key] / 1e6:8.1f} M params/s  "
+                f"{rate[key] * BYTES_PER_PARAM / 1e9:6.2f} GB/s at {BYTES_PER_PARAM} B/param")
+        if key == "jax":
+            line += (f"  ({rate[key] * info['bytes_per_param'] / 1e9:.2f} GB/s at its "
+                     f"{info['bytes_per_param']:.0f} B/param)")
+        print(line + f"  ({res[key][0] * 1e3:.1f} ms/step)")
+    bound = info["bytes_per_param"] / BYTES_PER_PARAM
+    print(f"ratio HostAdamW / jax: {rate['host'] / rate['jax']:.2f}x   (goal >= 1.5x; at equal "
+          f"bandwidth the byte counts allow {bound:.2f}x)   numpy path / jax: "
+          f"{rate['numpy'] / rate['jax']:.2f}x")
+    split = opt._split
+    print("HostAdamW's split between XLA (one core) and numpy threads: last rates "
+          + ", ".join(f"{name} {split.rate[k] / 1e6:.0f} M params/s" for k, name in
+                      ((False, "XLA alone"), (True, "split")) if split.rate[k])
+          + f"; numpy share when split {split.fraction:.2f}")
+    print(f"bandwidth used: HostAdamW {rate['host'] * BYTES_PER_PARAM / bw[best]:.0%}, jax "
+          f"{rate['jax'] * info['bytes_per_param'] / bw[best]:.0%} of the streaming figure")
+    print("per CPU-second (robust to other load): "
+          + ", ".join(f"{k} {n / res[k][1] / 1e6:.0f} M params" for k in rate)
+          + "; cores busy during a step: "
+          + ", ".join(f"{k} {res[k][1] / res[k][0]:.2f}" for k in rate))
+
+    variants = {"bf16 grads + bf16 out16 (28 B/param)": make_host_step(opt, n, jnp.bfloat16, True),
+                "fp32 grads + bf16 out16 (30 B/param)": make_host_step(opt, n, np.float32, True)}
+    for label, (w, _) in interleaved(variants, 5).items():
+        nbytes = 28 if label.startswith("bf16") else 30
+        print(f"HostAdamW {label}: {n / w / 1e6:8.1f} M params/s  {n * nbytes / w / 1e9:6.2f} GB/s")
     opt.close()
+    solo.close()
 
 
 if __name__ == "__main__":

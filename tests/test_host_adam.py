@@ -1,11 +1,13 @@
-"""HostAdamW against optax.adamw, and FlatLayout round trips."""
+"""HostAdamW against optax.adamw (numpy and compiled paths), host buffers, FlatLayout."""
+import gc
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 
-from zerojax.offload.host_adam import FlatLayout, HostAdamW
+from zerojax.offload.host_adam import FlatLayout, HostAdamW, host_zeros
 
 BF16 = np.dtype(jnp.bfloat16)
 
@@ -93,17 +95,17 @@ def test_learning_rate_override_and_thread_count_do_not_change_bits():
 
 
 @pytest.mark.parametrize("bad,match", [
-    (dict(params=np.zeros(8, np.float64)), "params must be float32"),
-    (dict(m=np.zeros(9, np.float32)), "m must be a flat contiguous array of 8"),
-    (dict(grads=np.zeros(8, np.int32)), "grads has dtype int32"),
-    (dict(out16=np.zeros(8, np.float32)), "out16 has dtype float32"),
-    (dict(v=np.zeros((2, 4), np.float32)), "v must be a flat contiguous"),
-    (dict(count=0), "count=0 must be >= 1"),
-    (dict(m=np.asarray(jnp.zeros(8, jnp.float32))), "m is read-only"),
+    ({"params": np.zeros(8, np.float64)}, "params must be float32"),
+    ({"m": np.zeros(9, np.float32)}, "m must be a flat contiguous array of 8"),
+    ({"grads": np.zeros(8, np.int32)}, "grads has dtype int32"),
+    ({"out16": np.zeros(8, np.float32)}, "out16 has dtype float32"),
+    ({"v": np.zeros((2, 4), np.float32)}, "v must be a flat contiguous"),
+    ({"count": 0}, "count=0 must be >= 1"),
+    ({"m": np.asarray(jnp.zeros(8, jnp.float32))}, "m is read-only"),
 ])
 def test_bad_arguments_raise_clear_errors(bad, match):
-    args = dict(params=np.zeros(8, np.float32), grads=np.zeros(8, np.float32),
-                m=np.zeros(8, np.float32), v=np.zeros(8, np.float32), count=1)
+    args = {"params": np.zeros(8, np.float32), "grads": np.zeros(8, np.float32),
+            "m": np.zeros(8, np.float32), "v": np.zeros(8, np.float32), "count": 1}
     args.update(bad)
     with pytest.raises((TypeError, ValueError), match=match):
         HostAdamW(num_threads=1).step(**args)
@@ -129,3 +131,226 @@ def test_flat_layout_round_trip_and_views():
     np.testing.assert_array_equal(flat[6:10], np.ones(4))
     with pytest.raises(ValueError, match="rebuild the layout"):
         layout.flatten({"a": np.zeros((3, 2)), "b": tree["b"]})
+
+
+# -- compiled path (host_zeros buffers) ----------------------------------------------------
+
+def _spy_numpy_path(monkeypatch):
+    """Records the (lo, hi) ranges the numpy path updates."""
+    ranges = []
+    run = HostAdamW._run
+
+    def spy(self, tid, lo, hi, *args):
+        ranges.append((lo, hi))
+        return run(self, tid, lo, hi, *args)
+
+    monkeypatch.setattr(HostAdamW, "_run", spy)
+    return ranges
+
+
+def _grads_buffer(g, where):
+    """g placed in a host buffer, a 64-byte aligned numpy array, or one that is not."""
+    if where == "host":
+        out = host_zeros(g.size, g.dtype)
+    else:
+        raw = np.empty(g.nbytes + 256, np.uint8)
+        skip = (-raw.ctypes.data) % 64 + (0 if where == "aligned" else 3 * g.itemsize)
+        out = raw[skip:skip + g.nbytes].view(g.dtype)
+    out[...] = g
+    return out
+
+
+COMPILED_CASES = [
+    # n, wd, grad_scale, grads dtype, out16 dtype, block, grads placement
+    (1000, 0.0, 1.0, np.float32, None, 256, "host"),
+    (1237, 0.01, 1.0, np.float32, None, 100, "unaligned"),
+    (1237, 0.1, 0.125, np.float32, BF16, 128, "aligned"),
+    (999, 0.01, 3.0, BF16, BF16, 64, "unaligned"),
+    (777, 0.0, 0.5, np.uint16, np.uint16, 4096, "host"),
+    (517, 0.01, 2.0, np.float16, np.float16, 48, "unaligned"),
+    (5, 0.01, 1.0, np.float32, BF16, 16, "host"),
+]
+
+
+@pytest.mark.parametrize("n,wd,scale,gdtype,odtype,block,where", COMPILED_CASES)
+def test_compiled_step_matches_optax_adamw(monkeypatch, n, wd, scale, gdtype, odtype, block,
+                                           where):
+    rng = np.random.default_rng(n)
+    lr, b1, b2, eps = 1e-2, 0.9, 0.99, 1e-8
+    p0 = rng.standard_normal(n).astype(np.float32)
+    grads = []
+    for _ in range(5):
+        g = (rng.standard_normal(n) * 0.1).astype(np.float32)
+        g = g.astype(BF16).view(np.uint16) if gdtype == np.uint16 else g.astype(gdtype)
+        grads.append(_grads_buffer(g, where))
+    ref_grads = [g.view(BF16) if g.dtype == np.uint16 else g for g in grads]
+    p_ref, m_ref, v_ref = optax_reference(p0, ref_grads, scale, lr, b1, b2, eps, wd)
+
+    p, m, v = host_zeros(n), host_zeros(n), host_zeros(n)
+    p[:] = p0
+    address = p.ctypes.data
+    out16 = None if odtype is None else host_zeros(n, odtype)
+    ranges = _spy_numpy_path(monkeypatch)
+    with HostAdamW(lr, b1, b2, eps, wd, num_threads=1, block_elements=block) as opt:
+        for k, g in enumerate(grads):
+            opt.step(p, g, m, v, count=k + 1, grad_scale=scale, out16=out16)
+    # XLA updated the whole blocks from the gradients' first 64-byte aligned element on;
+    # the numpy path only the remainder and the elements before that start.
+    head = min((-grads[0].ctypes.data) % 64 // grads[0].itemsize, n)
+    assert (head > 0) == (where == "unaligned")
+    rest = head + (n - head) // block * block
+    per_step = ([(rest, n)] if rest < n else []) + ([(0, head)] if head else [])
+    assert ranges == per_step * 5
+    assert p.ctypes.data == address
+    assert_close(p, p_ref)
+    assert_close(m, m_ref)
+    assert_close(v, v_ref)
+    if out16 is not None:
+        want = p.astype(BF16 if odtype in (BF16, np.uint16) else np.float16)
+        np.testing.assert_array_equal(out16.view(np.uint16), want.view(np.uint16))
+
+
+def test_compiled_step_split_with_the_numpy_path(monkeypatch):
+    """XLA takes the first blocks while numpy threads take the last ones."""
+    n, block = 10_000, 512
+    rng = np.random.default_rng(5)
+    p0 = rng.standard_normal(n).astype(np.float32)
+    gs = [(rng.standard_normal(n) * 0.1).astype(np.float32) for _ in range(3)]
+    p_ref, m_ref, v_ref = optax_reference(p0, gs, 1.0, 1e-2, 0.9, 0.999, 1e-8, 0.01)
+    p, m, v, o16 = host_zeros(n), host_zeros(n), host_zeros(n), host_zeros(n, BF16)
+    p[:] = p0
+    ranges = _spy_numpy_path(monkeypatch)
+    with HostAdamW(1e-2, weight_decay=0.01, num_threads=3, chunk_elements=256,
+                   block_elements=block) as opt:
+        monkeypatch.setattr(opt._split, "share", lambda: 0.5)
+        for k, g in enumerate(gs):
+            g_host = host_zeros(n)
+            g_host[:] = g
+            opt.step(p, g_host, m, v, count=k + 1, out16=o16)
+    whole = n // block
+    start = (whole - round(0.5 * whole)) * block
+    cut = start + (n - start) // 2 // 16 * 16  # two helper threads
+    assert ranges == [(start, cut), (cut, n)] * 3
+    assert_close(p, p_ref)
+    assert_close(m, m_ref)
+    assert_close(v, v_ref)
+    np.testing.assert_array_equal(o16.view(np.uint16), p.astype(BF16).view(np.uint16))
+
+
+def test_split_controller_follows_throughput():
+    from zerojax.offload.host_adam import _Split
+
+    assert _Split(0).share() == 0.0
+    split = _Split(1)
+    assert split.share() == 0.0  # first an XLA-only step to measure
+    split.record(0.0, 1.0, 0.1, True, 900, 100)
+    share = split.share()
+    assert share == pytest.approx(1 / 3)
+    # XLA finished last (0.7 s), numpy had done its third in 0.5 s: give numpy more.
+    split.record(share, 0.7, 0.5, True, 600, 300)
+    target = (300 / 0.5) / (300 / 0.5 + 600 / 0.7)
+    assert target > 1 / 3 and split.fraction == pytest.approx(0.5 * (1 / 3 + target))
+    assert split.rate[True] > split.rate[False]
+    uses = [split.share() > 0 for _ in range(32)]
+    assert uses.count(False) == 2 and not uses[13] and not uses[29]  # retries every 16th step
+    split.record(0.0, 0.5, 0.01, True, 1000, 0)  # XLA alone got much faster
+    split.record(0.0, 0.5, 0.01, True, 1000, 0)
+    assert split.share() == 0.0
+    split.fraction = 0.4
+    split.record(0.4, 1.0, 1.0, False, 600, 400)  # XLA waited for numpy: shift back
+    assert split.fraction == pytest.approx(0.5 * (0.4 + 0.32))
+
+
+def test_compiled_and_numpy_paths_agree_and_buffers_update_in_place():
+    n = 50_000
+    rng = np.random.default_rng(1)
+    p0 = rng.standard_normal(n).astype(np.float32)
+    gs = [(rng.standard_normal(n) * 0.1).astype(np.float32) for _ in range(3)]
+    gs[1][:7] = [np.inf, -np.inf, np.nan, 1e30, -1e30, 0.0, 1e-30]  # g*g overflows from 1e30
+    results = []
+    for compiled in (False, True):
+        p, m, v = host_zeros(n), host_zeros(n), host_zeros(n)
+        p[:] = p0
+        o16 = host_zeros(n, BF16)
+        view = p.reshape(100, 500)[3]  # a view taken before the steps
+        before = view.copy()
+        with HostAdamW(1e-3, weight_decay=0.1, compiled=compiled, block_elements=4096) as opt, \
+                np.errstate(over="ignore", invalid="ignore"):
+            for k, g in enumerate(gs):
+                opt.step(p, g, m, v, count=k + 1, out16=o16)
+        assert not np.array_equal(view, before)
+        np.testing.assert_array_equal(view, p[1500:2000])
+        results.append((p, m, v, o16))
+    (p_np, m_np, v_np, _), (p_c, m_c, v_c, o_c) = results
+    assert np.isnan(p_c[:3]).all() and np.isfinite(p_c[3:]).all()
+    for a, b in ((p_c, p_np), (m_c, m_np), (v_c, v_np)):
+        np.testing.assert_array_equal(np.isnan(a), np.isnan(b))
+        assert_close(np.nan_to_num(a), np.nan_to_num(b))
+    # 16-bit copy rounds like numpy, NaN included (canonical quiet NaN, sign kept).
+    np.testing.assert_array_equal(o_c.view(np.uint16), p_c.astype(BF16).view(np.uint16))
+
+
+def test_plain_numpy_buffers_and_mixed_buffers_take_the_numpy_path(monkeypatch):
+    n = 3000
+    rng = np.random.default_rng(2)
+    g = rng.standard_normal(n).astype(np.float32)
+    ranges = _spy_numpy_path(monkeypatch)
+    opt = HostAdamW(num_threads=1, chunk_elements=4096)
+    p, m, v = np.zeros(n, np.float32), np.zeros(n, np.float32), np.zeros(n, np.float32)
+    opt.step(p, g, m, v, count=1)
+    assert ranges == [(0, n)]
+    ranges.clear()
+    hp, hm, hv = host_zeros(n), host_zeros(n), host_zeros(n)
+    opt.step(hp, g, hm, hv, count=1, out16=np.zeros(n, BF16))  # out16 not a host buffer
+    opt.step(hp[:-1], g[:-1], hm[:-1], hv[:-1], count=1)  # part of a host buffer
+    opt.step(hp, g, hm, hv, count=1, out16=host_zeros(n, np.float16).view(BF16))  # wrong kind
+    assert ranges == [(0, n), (0, n - 1), (0, n)]
+    ranges.clear()
+    HostAdamW(compiled=False, num_threads=1).step(hp, g, hm, hv, count=1)
+    assert ranges == [(0, n)]
+
+
+def test_host_zeros():
+    for dtype in (np.float32, BF16, np.float16, np.uint16):
+        x = host_zeros(100, dtype)
+        assert x.dtype == np.dtype(dtype) and x.shape == (100,) and x.flags.writeable
+        assert x.ctypes.data % 64 == 0 and not x.any()
+    with pytest.raises(TypeError, match="not supported"):
+        host_zeros(10, np.float64)
+    x = host_zeros(1000)
+    tail = x[500:]
+    del x
+    gc.collect()
+    tail[:] = 2.0  # the slice keeps the memory alive
+    assert float(tail.sum()) == 1000.0
+    bufs = FlatLayout.from_tree({"w": np.ones((4, 8), np.float32)}).flatten(
+        {"w": np.ones((4, 8), np.float32)})
+    master = bufs["float32"]
+    p16 = host_zeros(32, BF16)
+    m, v = host_zeros(32), host_zeros(32)
+    HostAdamW(lr=0.5).step(master, np.ones(32, np.float32), m, v, count=1, out16=p16)
+    np.testing.assert_allclose(master, 0.5, rtol=1e-6)  # 1 - lr * sign(g)
+    np.testing.assert_array_equal(p16.astype(np.float32), 0.5)
+
+
+def test_compiled_16bit_rounding_matches_numpy_casts():
+    from zerojax.offload.host_adam import _narrow, _widen
+
+    specials = np.array([np.nan, -np.nan, np.inf, -np.inf, 0.0, -0.0, 1e-45, -1e-40, 6e-8,
+                         3.4028235e38, 3.3961776e38, 65504.0, 65520.0, 1.0 + 2.0**-8,
+                         1.0 + 3 * 2.0**-8, 1.0 + 2.0**-11, -(1.0 + 2.0**-11)], np.float32)
+    bits = np.array([0x7F800001, 0xFFC00001, 0x7FBFFFFF, 0x3F808000, 0x3F818000], np.uint32)
+    x = np.concatenate([specials, bits.view(np.float32),
+                        np.random.default_rng(3).standard_normal(4096).astype(np.float32)])
+    cpu = jax.devices("cpu")[0]
+    for kind, dtype in (("bf16", BF16), ("f16", np.float16)):
+        got = np.asarray(jax.jit(lambda a, k=kind: _narrow(a, k))(jax.device_put(x, cpu)))
+        with np.errstate(over="ignore", invalid="ignore"):
+            want = x.astype(dtype).view(np.uint16)
+        number = ~np.isnan(want.view(dtype))  # infinities included
+        np.testing.assert_array_equal(got[number], want[number])
+        np.testing.assert_array_equal(np.isnan(got.view(dtype)), ~number)
+        if kind == "bf16":  # NaN: numpy's canonical quiet NaN, sign kept
+            np.testing.assert_array_equal(got, want)
+        back = np.asarray(jax.jit(lambda a, k=kind: _widen(a, k))(jax.device_put(want, cpu)))
+        np.testing.assert_array_equal(back, want.view(dtype).astype(np.float32))

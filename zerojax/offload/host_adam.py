@@ -1,39 +1,62 @@
-"""AdamW on the host: multi-threaded, chunked and in place over flat fp32 buffers.
+"""AdamW on the host: in place over flat fp32 buffers, one pass, compiled or numpy.
 
 With ZeRO-Offload the fp32 master weights and both Adam moments live in host memory
-and the update runs on the CPU. ``HostAdamW`` computes exactly ``optax.adamw``
-(bias-corrected moments, decoupled weight decay ``-lr * (mhat / (sqrt(vhat) + eps) +
-wd * p)``) over flat buffers it updates in place::
+and the update runs on the CPU. ``HostAdamW`` computes ``optax.adamw`` (bias-corrected
+moments, decoupled weight decay ``-lr * (mhat / (sqrt(vhat) + eps) + wd * p)``, equal up
+to fp32 rounding) over flat buffers it updates in place::
 
     opt = HostAdamW(lr=1e-3, weight_decay=0.01)
-    p = np.zeros(n, np.float32); m = np.zeros_like(p); v = np.zeros_like(p)
-    p16 = np.empty(n, jnp.bfloat16)
+    p, m, v = host_zeros(n), host_zeros(n), host_zeros(n)    # writable numpy arrays
+    p16 = host_zeros(n, jnp.bfloat16)
+    p[:] = initial_params
     opt.step(p, grads_bf16, m, v, count=1, grad_scale=1 / loss_scale, out16=p16)
 
-Why it is shaped this way: the update is memory-bound (28 bytes per parameter: read p,
-g, m, v; write p, m, v), so each cache-sized chunk of every buffer is read from memory
-once and all arithmetic on it happens while it is still in cache, through numpy ufuncs
-with ``out=`` into per-thread scratch (no allocation per step). numpy releases the GIL
-inside ufunc loops, so a persistent thread pool, one contiguous slice per thread, runs
-the chunks on all cores. 16-bit gradients are widened and the 16-bit copy of the params
-is narrowed chunk by chunk, inside the same pass.
+The update is memory-bound: one pass reads p, g, m, v and writes p, m, v, 28 bytes per
+parameter with fp32 grads, and each byte should cross the memory bus once. (XLA:CPU
+compiles ``optax.adamw`` + ``apply_updates`` into three loops moving 40, so at equal
+memory bandwidth one pass is at most 40/28 = 1.43x faster.) ``step`` picks one of two
+ways from where the buffers live:
 
-``FlatLayout`` packs a whole params tree into one contiguous buffer per dtype and hands
-the leaves back as zero-copy views, so the optimizer sees a single flat buffer.
+- **Compiled** (params, m, v and ``out16`` from ``host_zeros``, or from
+  ``FlatLayout.empty``/``flatten``): their memory is owned by jax arrays on the CPU
+  backend and lent to numpy. One XLA program walks the buffers in blocks of
+  ``block_elements``: each block of m, v and p is read from memory once, updated while
+  it is in cache and written back into the same memory (the arrays are donated and XLA
+  reuses them; 16-bit data stay uint16 bits inside XLA). Gradients are read where they
+  are, any numpy array, without a copy (XLA:CPU reads host memory in place from a
+  64-byte aligned address; the few elements before it go through the numpy path).
+  XLA runs this loop on one core (it does not split in-place block updates across
+  threads), so meanwhile the other ``num_threads - 1`` threads update the last blocks
+  on the numpy path. How many is adapted from step to step: it pays when cores are
+  free, and when other work keeps them busy the steps run on XLA alone.
+- **numpy** (any other buffers): XLA cannot write into memory it does not own (a donated
+  array wrapping numpy memory is copied, not reused), so the update runs as numpy ufuncs
+  with ``out=`` over cache-sized chunks (``chunk_elements``) in per-thread scratch, one
+  contiguous slice per thread of a persistent pool (numpy releases the GIL inside ufunc
+  loops). Several passes per chunk, all in cache: about twice the CPU time per element
+  of the compiled loop.
+
+Both widen 16-bit gradients and narrow the 16-bit copy of the params (round to nearest
+even, as numpy's casts) in the same pass. ``FlatLayout`` packs a whole params tree into
+one contiguous buffer per dtype and hands the leaves back as zero-copy views, so the
+optimizer sees a single flat buffer.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Optional
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
-__all__ = ["FlatLayout", "HostAdamW"]
+__all__ = ["FlatLayout", "HostAdamW", "host_zeros"]
 
 _F32 = np.dtype(np.float32)
 _F16 = np.dtype(np.float16)
@@ -41,6 +64,10 @@ _BF16 = np.dtype(jnp.bfloat16)
 _U16 = np.dtype(np.uint16)  # raw bfloat16 bits
 # Thread slices start on 64-byte boundaries so every chunk stays SIMD-aligned.
 _ALIGN = 16
+# XLA:CPU reads a numpy buffer in place only from a 64-byte aligned address.
+_XLA_ALIGN_BYTES = 64
+# Block offsets inside the compiled program are int32.
+_MAX_COMPILED_ELEMENTS = 2**31 - 1
 
 
 def _kind16(a: np.ndarray, name: str) -> str:
@@ -55,7 +82,201 @@ def _kind16(a: np.ndarray, name: str) -> str:
     raise TypeError(f"HostAdamW: {name} has dtype {a.dtype}; expected {allowed}.")
 
 
-def _check_flat(a: Any, name: str, n: int, dtype: Optional[np.dtype] = None,
+def _storage_kind(dtype) -> str | None:
+    dt = np.dtype(dtype)
+    return {_F32: "f32", _BF16: "bf16", _U16: "bf16", _F16: "f16"}.get(dt)
+
+
+class _HostBuffer:
+    """Owns one jax array on the CPU backend and lends its memory to numpy.
+
+    numpy reads the address through ``__array_interface__``, and every numpy array
+    viewing the memory keeps this object (hence the jax array) alive through its
+    ``base`` chain. The compiled step donates ``array`` and keeps the result, which XLA
+    wrote into the same memory; ``ptr`` never changes. 16-bit buffers are uint16 to
+    XLA (``kind`` says which format the bits hold): XLA:CPU would otherwise widen a
+    whole bfloat16 buffer to fp32 around every block update.
+    """
+
+    def __init__(self, array: jax.Array, kind: str):
+        self.array, self.kind = array, kind
+        self.ptr = array.unsafe_buffer_pointer()
+        self.nbytes = int(array.nbytes)
+        self.__array_interface__ = {"data": (self.ptr, False), "shape": tuple(array.shape),
+                                    "typestr": np.dtype(array.dtype).str, "version": 3}
+
+
+def _cpu_device():
+    return jax.devices("cpu")[0]
+
+
+def host_zeros(n: int, dtype: Any = np.float32) -> np.ndarray:
+    """A zeroed, writable, flat numpy array whose memory jax owns (on the CPU backend).
+
+    ``HostAdamW.step`` updates params, m, v (and ``out16``) allocated here with its
+    compiled path, in place; to numpy they are ordinary arrays (slices, views, pickling
+    and ``np.copyto`` work as usual). The memory lives as long as any array viewing it.
+    Only the optimizer's compiled step hands the underlying jax array to XLA; do not
+    write into the buffer while a ``step`` on it is running.
+
+    ``dtype``: float32, bfloat16, float16 or uint16 (bfloat16 bits). Works when the
+    default backend is a GPU: the buffer is placed on ``jax.devices("cpu")[0]``.
+    """
+    dt = np.dtype(dtype)
+    kind = _storage_kind(dt)
+    if kind is None:
+        raise TypeError(f"host_zeros: dtype {dt} is not supported; use float32, bfloat16, "
+                        "float16 or uint16.")
+    # jnp.zeros, not device_put of a numpy array: device_put may wrap the numpy memory
+    # without copying, and XLA does not write in place into memory it does not own.
+    array = jnp.zeros((int(n),), _F32 if kind == "f32" else _U16, device=_cpu_device())
+    return np.asarray(_HostBuffer(array, kind)).view(dt)
+
+
+def _host_buffer_of(a: np.ndarray) -> _HostBuffer | None:
+    """The ``_HostBuffer`` whose whole memory ``a`` covers exactly, if any."""
+    base = a
+    while isinstance(base, np.ndarray):
+        base = base.base
+    if isinstance(base, _HostBuffer) and a.ctypes.data == base.ptr and a.nbytes == base.nbytes:
+        return base
+    return None
+
+
+def _host_or_numpy(n: int, dtype) -> np.ndarray:
+    if _storage_kind(dtype) is not None and np.dtype(dtype) != _U16:
+        try:
+            return host_zeros(n, dtype)
+        except RuntimeError:  # no CPU backend in this process
+            pass
+    return np.zeros(n, dtype)
+
+
+def _widen(g: jax.Array, kind: str) -> jax.Array:
+    """fp32 values of a block of gradients (fp32, or 16-bit formats as uint16 bits)."""
+    if kind == "f32":
+        return g
+    if kind == "bf16":  # exact: the bf16 bits are the high half of the fp32 word
+        return lax.bitcast_convert_type(g.astype(jnp.uint32) << 16, jnp.float32)
+    return lax.bitcast_convert_type(g, jnp.float16).astype(jnp.float32)
+
+
+def _narrow(x: jax.Array, kind: str) -> jax.Array:
+    """uint16 bits of fp32 ``x`` rounded to nearest even, as numpy/ml_dtypes round."""
+    if kind == "f16":
+        return lax.bitcast_convert_type(x.astype(jnp.float16), jnp.uint16)
+    bits = lax.bitcast_convert_type(x, jnp.uint32)
+    rounded = (bits + (0x7FFF + ((bits >> 16) & 1))) >> 16
+    nan = ((bits >> 16) & 0x8000) | 0x7FC0  # canonical quiet NaN, sign kept
+    return jnp.where(jnp.isnan(x), nan, rounded).astype(jnp.uint16)
+
+
+@functools.cache
+def _compiled_step(head: int, block: int, gkind: str, okind: str | None):
+    """The jitted in-place step: (p, g, m, v, out16, scalars, blocks) -> (p, m, v, out16).
+
+    p, m, v (and out16, uint16 bits) are donated and updated in place over the elements
+    ``[head, head + blocks * block)``, ``blocks`` being a run-time value; element i of p
+    pairs with element ``i - head`` of g (fp32 or uint16 bits). The caller updates the
+    rest on the numpy path.
+    """
+
+    def update_block(p, g, m, v, o, s, at):
+        def blk(x, i=at):
+            return lax.dynamic_slice(x, (i,), (block,))
+
+        gb = _widen(blk(g, at - head), gkind)
+        # Same operations, in the same order, as the numpy path (HostAdamW._run).
+        m = lax.dynamic_update_slice(m, blk(m) * s[0] + gb * s[1], (at,))
+        v = lax.dynamic_update_slice(v, blk(v) * s[2] + (gb * gb) * s[3], (at,))
+        # p reads the new m and v blocks back from the buffers (they are in cache): each
+        # update is then a fusion that reads its buffer's block before writing it, which
+        # XLA does in place; feeding one computed value to several updates would keep old
+        # blocks alive and make XLA copy whole buffers. (The block offset must be a
+        # run-time value too: with a constant one XLA loops over the whole buffer.)
+        upd = blk(m) / (jnp.sqrt(blk(v)) + s[4]) * s[5]
+        p = lax.dynamic_update_slice(p, blk(p) * s[6] - upd, (at,))
+        if o is not None:
+            o = lax.dynamic_update_slice(o, _narrow(blk(p), okind), (at,))
+        return p, m, v, o
+
+    def step(p, g, m, v, o, s, blocks):
+        return lax.fori_loop(
+            0, blocks,
+            lambda i, c: update_block(c[0], g, c[1], c[2], c[3], s, head + i * block),
+            (p, m, v, o))
+
+    return jax.jit(step, donate_argnums=(0, 2, 3) if okind is None else (0, 2, 3, 4))
+
+
+@functools.cache
+def _in_place_ok() -> bool:
+    """Whether this jax writes the compiled step's results into the donated memory."""
+    bufs = [host_zeros(40) for _ in range(3)]
+    holders = [_host_buffer_of(b) for b in bufs]
+    g = jnp.ones((40,), jnp.float32, device=_cpu_device())
+    s = jax.device_put(np.ones(8, np.float32), _cpu_device())
+    out = _compiled_step(0, 16, "f32", None)(holders[0].array, g, holders[1].array,
+                                             holders[2].array, None, s, np.int32(2))
+    jax.block_until_ready(out)
+    in_place = all(o.unsafe_buffer_pointer() == h.ptr for o, h in zip(out, holders))
+    for o, h in zip(out, holders):
+        h.array = o
+    # Only read the numpy views when XLA wrote into their memory.
+    return in_place and bool(np.all(bufs[1][:32] == 1.0)) and not bufs[1][32:].any()
+
+
+class _Split:
+    """How much of a compiled step the numpy path takes, adapted from step to step.
+
+    XLA runs the compiled kernel on one core. ``helpers`` more threads can meanwhile
+    update the last blocks on the numpy path: that pays when cores are free and costs
+    when they are not, since the numpy path needs about twice the CPU time per element.
+    Each split step moves ``fraction`` toward equal finishing times. The throughput of
+    split and of XLA-only steps is tracked; splitting is used when it is ``MARGIN``
+    faster (it spends more CPU time), and the other choice is retried every ``EXPLORE``
+    steps, so a change of load on the machine is noticed.
+    """
+
+    EXPLORE = 16
+    MARGIN = 1.05
+
+    def __init__(self, helpers: int):
+        self.helpers = helpers
+        self.fraction = helpers / (helpers + 2.0)  # XLA's core ~ two numpy threads
+        self.rate = {False: None, True: None}  # elements/s: XLA-only, split
+        self.steps = 0
+
+    def share(self) -> float:
+        """Fraction of the whole blocks the numpy path takes in this step."""
+        if not self.helpers:
+            return 0.0
+        self.steps += 1
+        solo, split = self.rate[False], self.rate[True]
+        if solo is None or split is None:
+            use = solo is not None
+        else:
+            use = (split > self.MARGIN * solo) != (self.steps % self.EXPLORE == 0)
+        return self.fraction if use else 0.0
+
+    def record(self, share: float, seconds: float, numpy_seconds: float, xla_last: bool,
+               xla_elements: int, numpy_elements: int) -> None:
+        split = share > 0
+        rate = (xla_elements + numpy_elements) / seconds
+        old = self.rate[split]
+        self.rate[split] = rate if old is None else 0.5 * (old + rate)
+        if not split:
+            return
+        if xla_last:  # both rates are known: aim at equal finishing times
+            numpy_rate = numpy_elements / max(numpy_seconds, 1e-9)
+            xla_rate = xla_elements / seconds
+            target = numpy_rate / (numpy_rate + xla_rate)
+        else:  # XLA waited for the numpy path
+            target = 0.8 * share
+        self.fraction = min(0.9, max(0.02, 0.5 * (share + target)))
+
+
+def _check_flat(a: Any, name: str, n: int, dtype: np.dtype | None = None,
                 writable: bool = False) -> None:
     if not isinstance(a, np.ndarray):
         raise TypeError(f"HostAdamW: {name} must be a numpy array (got {type(a).__name__}); "
@@ -76,10 +297,17 @@ class HostAdamW:
 
     Args:
       lr, b1, b2, eps, weight_decay: as in ``optax.adamw`` (``eps_root=0``).
-      num_threads: worker threads; defaults to the cores this process may run on.
-      chunk_elements: elements per cache-resident chunk. Each thread touches about
-        seven chunk-sized arrays at once, so 64K elements (256 KiB per array) keeps
-        the working set in L2/L3 while amortising numpy's per-call overhead.
+      num_threads: threads updating the buffers; defaults to the cores this process may
+        run on. On the compiled path XLA is one of them and the others help on the
+        numpy path.
+      chunk_elements: elements per cache-resident chunk of the numpy path. Each thread
+        touches about seven chunk-sized arrays at once, so 64K elements (256 KiB per
+        array) keeps the working set in L2/L3 while amortising numpy's per-call overhead.
+      compiled: use the compiled in-place step when params, m, v (and ``out16``) are
+        ``host_zeros`` buffers (see the module docstring); False forces the numpy path.
+      block_elements: elements per block of the compiled step: the block of every
+        buffer is read from memory once and stays in cache while m, v and p are
+        updated (256K elements: 1 MiB per fp32 buffer).
 
     ``step`` is thread-safe only with respect to itself being called from one thread
     at a time; use one instance per caller thread otherwise.
@@ -87,12 +315,15 @@ class HostAdamW:
 
     def __init__(self, lr: float = 1e-3, b1: float = 0.9, b2: float = 0.999,
                  eps: float = 1e-8, weight_decay: float = 0.0, *,
-                 num_threads: Optional[int] = None, chunk_elements: int = 65536):
+                 num_threads: int | None = None, chunk_elements: int = 65536,
+                 compiled: bool = True, block_elements: int = 262144):
         if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
             raise ValueError(f"HostAdamW: b1={b1} and b2={b2} must lie in [0, 1).")
         if chunk_elements < _ALIGN or chunk_elements % _ALIGN:
             raise ValueError(f"HostAdamW: chunk_elements={chunk_elements} must be a positive "
                              f"multiple of {_ALIGN}.")
+        if block_elements < 1:
+            raise ValueError(f"HostAdamW: block_elements={block_elements} must be >= 1.")
         if num_threads is None:
             num_threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
                 else (os.cpu_count() or 1)
@@ -102,6 +333,10 @@ class HostAdamW:
         self.weight_decay = float(weight_decay)
         self.num_threads = int(num_threads)
         self.chunk_elements = int(chunk_elements)
+        self.compiled = bool(compiled)
+        self.block_elements = int(block_elements)
+        self._split = _Split(max(self.num_threads - 1, 0))
+        self._compiled: set = set()
         c = self.chunk_elements
         # Per-thread scratch: two fp32 temporaries and one 32-bit word buffer used for
         # the widened gradient and for bit-level 16-bit conversions.
@@ -112,9 +347,13 @@ class HostAdamW:
 
     # -- public ------------------------------------------------------------------------
     def step(self, params: np.ndarray, grads: np.ndarray, m: np.ndarray, v: np.ndarray,
-             count: int, *, lr: Optional[float] = None, grad_scale: float = 1.0,
-             out16: Optional[np.ndarray] = None) -> None:
+             count: int, *, lr: float | None = None, grad_scale: float = 1.0,
+             out16: np.ndarray | None = None) -> None:
         """One AdamW step, updating ``params``, ``m`` and ``v`` in place.
+
+        Runs compiled when params, m, v and ``out16`` (if given) are each a whole
+        ``host_zeros`` buffer, otherwise on the numpy path; both give the same result
+        up to fp32 rounding.
 
         Args:
           params, m, v: flat contiguous fp32 arrays of the same size.
@@ -139,22 +378,13 @@ class HostAdamW:
             okind = _kind16(out16, "out16")
         if int(count) < 1:
             raise ValueError(f"HostAdamW: count={count} must be >= 1 (1 for the first step).")
-        if gkind == "bf16":
-            grads = grads.view(_U16)
-        if okind == "bf16":
-            out16 = out16.view(_BF16)
         coefs = self._coefficients(int(count), self.lr if lr is None else float(lr),
                                    float(grad_scale))
-        parts = self._partition(n)
-        args = (params, grads, m, v, out16, gkind, okind, coefs)
-        if len(parts) == 1 or self._pool is None:
-            for i, (lo, hi) in enumerate(parts):
-                self._run(i, lo, hi, *args)
+        if self.compiled and self._step_compiled(params, grads, m, v, out16, gkind, okind,
+                                                 coefs):
             return
-        futures = [self._pool.submit(self._run, i, lo, hi, *args)
-                   for i, (lo, hi) in enumerate(parts)]
-        for f in futures:
-            f.result()
+        args = self._numpy_args(params, grads, m, v, out16, gkind, okind, coefs)
+        self._run_parts([(i, lo, hi) for i, (lo, hi) in enumerate(self._partition(0, n))], args)
 
     def close(self) -> None:
         """Stops the worker threads (the instance can no longer step)."""
@@ -162,13 +392,99 @@ class HostAdamW:
             self._pool.shutdown(wait=True)
             self._pool = None
 
-    def __enter__(self) -> "HostAdamW":
+    def __enter__(self):
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
 
     # -- internals ---------------------------------------------------------------------
+    def _numpy_args(self, params, grads, m, v, out16, gkind, okind, coefs):
+        return (params, grads.view(_U16) if gkind == "bf16" else grads, m, v,
+                out16.view(_BF16) if okind == "bf16" else out16, gkind, okind, coefs)
+
+    def _run_parts(self, parts, args) -> None:
+        """Runs (thread id, lo, hi) ranges of the numpy path, in the pool when several."""
+        if len(parts) == 1 or self._pool is None:
+            for tid, lo, hi in parts:
+                self._run(tid, lo, hi, *args)
+            return
+        for f in [self._pool.submit(self._run, tid, lo, hi, *args) for tid, lo, hi in parts]:
+            f.result()
+
+    def _step_compiled(self, params, grads, m, v, out16, gkind, okind, coefs) -> bool:
+        """Runs the step with the compiled kernel if the buffers allow it (returns True).
+
+        XLA updates whole blocks from the gradients' first 64-byte aligned element on,
+        on one core; meanwhile the other ``num_threads - 1`` threads update the last
+        blocks and the remainder on the numpy path (``_split`` chooses how many), and
+        the elements before the aligned start follow on the numpy path.
+        """
+        n = params.size
+        if not 0 < n <= _MAX_COMPILED_ELEMENTS:
+            return False
+        owners = [_host_buffer_of(a) for a in (params, m, v)]
+        if out16 is not None:
+            owners.append(_host_buffer_of(out16))
+            if owners[-1] is not None and owners[-1].kind != okind:
+                return False
+        if any(o is None for o in owners) or len({id(o) for o in owners}) != len(owners) \
+                or not _in_place_ok():
+            return False
+        g_owner = _host_buffer_of(grads)
+        if g_owner is not None and g_owner.kind == gkind and all(g_owner is not o for o in owners):
+            g, head = g_owner.array, 0
+        else:
+            g_np = grads if gkind == "f32" else grads.view(_U16)
+            ptr, size = g_np.ctypes.data, g_np.itemsize
+            if ptr % size:
+                return False
+            head = min((-ptr) % _XLA_ALIGN_BYTES // size, n)
+            # device_put of an aligned numpy array wraps its memory: no copy.
+            g = jax.device_put(g_np[head:], _cpu_device()) if head < n else None
+        block = self.block_elements
+        whole = (n - head) // block
+        helpers = self.num_threads - 1 if self._pool is not None else 0
+        share = self._split.share() if helpers and whole else 0.0
+        blocks = whole - round(share * whole)
+        args = self._numpy_args(params, grads, m, v, out16, gkind, okind, coefs)
+        key = (head, block, gkind, okind, n)
+        timed = helpers and whole and key in self._compiled  # not a step that compiles
+        start = time.perf_counter()
+        out = None
+        if blocks:
+            s = jax.device_put(np.array(coefs[:7] + (0.0,), _F32), _cpu_device())
+            fn = _compiled_step(head, block, gkind, okind)
+            o16 = owners[3].array if out16 is not None else None
+            out = fn(owners[0].array, g, owners[1].array, owners[2].array, o16, s,
+                     np.int32(blocks))  # runs asynchronously
+            out = [a for a in out if a is not None]
+            self._compiled.add(key)
+        rest = head + blocks * block
+        try:
+            if rest < n:  # the numpy path takes the remaining blocks while XLA runs
+                parts = self._partition(rest, n, max(helpers, 1))
+                self._run_parts([(i, lo, hi) for i, (lo, hi) in enumerate(parts)], args)
+        finally:  # the buffers' memory now belongs to XLA's results: always take them back
+            numpy_done = time.perf_counter()
+            xla_last = out is not None and not all(a.is_ready() for a in out)
+            if out is not None:
+                jax.block_until_ready(out)
+                moved = False
+                for owner, a in zip(owners, out):
+                    moved |= a.unsafe_buffer_pointer() != owner.ptr
+                    owner.array = a
+                if moved:
+                    raise RuntimeError("HostAdamW: XLA did not update the host_zeros buffers "
+                                       "in place; their numpy arrays are no longer valid. "
+                                       "Use compiled=False.")
+        if timed:
+            self._split.record(share, time.perf_counter() - start, numpy_done - start,
+                               xla_last, blocks * block, n - rest)
+        if head:  # the elements before the gradients' aligned start
+            self._run(0, 0, head, *args)
+        return True
+
     def _coefficients(self, count: int, lr: float, s: float):
         """Scalars folded so each chunk needs the fewest passes.
 
@@ -183,10 +499,11 @@ class HostAdamW:
                 f(self.eps * math.sqrt(bc2)), f(lr * math.sqrt(bc2) / bc1),
                 f(1.0 - lr * self.weight_decay), self.weight_decay != 0.0)
 
-    def _partition(self, n: int) -> list:
-        # Small buffers are not worth waking threads for: give each at least one chunk.
-        k = max(1, min(self.num_threads, n // self.chunk_elements))
-        cuts = [0] + [(n * i // k) // _ALIGN * _ALIGN for i in range(1, k)] + [n]
+    def _partition(self, lo: int, hi: int, parts: int | None = None) -> list:
+        # Small ranges are not worth waking threads for: give each at least one chunk.
+        n = hi - lo
+        k = max(1, min(parts or self.num_threads, n // self.chunk_elements))
+        cuts = [lo] + [lo + (n * i // k) // _ALIGN * _ALIGN for i in range(1, k)] + [hi]
         return [(cuts[i], cuts[i + 1]) for i in range(k) if cuts[i + 1] > cuts[i]]
 
     def _run(self, tid, lo, hi, params, grads, m, v, out16, gkind, okind, coefs):
@@ -253,7 +570,7 @@ class FlatLayout:
     sizes: dict  # dtype name -> total elements of that buffer
 
     @classmethod
-    def from_tree(cls, tree: Any, dtype: Any = None) -> "FlatLayout":
+    def from_tree(cls, tree: Any, dtype: Any = None) -> FlatLayout:
         leaves, treedef = jax.tree.flatten(tree)
         shapes, dtypes, offsets, sizes = [], [], [], {}
         for leaf in leaves:
@@ -267,10 +584,14 @@ class FlatLayout:
         return cls(treedef, tuple(shapes), tuple(dtypes), tuple(offsets), sizes)
 
     def empty(self) -> dict:
-        """Fresh uninitialised buffers, one per dtype."""
-        return {dt: np.empty(n, jnp.dtype(dt)) for dt, n in self.sizes.items()}
+        """Fresh zeroed buffers, one per dtype.
 
-    def flatten(self, tree: Any, out: Optional[dict] = None) -> dict:
+        float32, bfloat16 and float16 buffers come from ``host_zeros``, so ``HostAdamW``
+        updates them with its compiled step; other dtypes are plain numpy arrays.
+        """
+        return {dt: _host_or_numpy(n, jnp.dtype(dt)) for dt, n in self.sizes.items()}
+
+    def flatten(self, tree: Any, out: dict | None = None) -> dict:
         """Copies the leaves of ``tree`` into (new or given) flat buffers."""
         leaves = self.treedef.flatten_up_to(tree)
         bufs = self.empty() if out is None else out

@@ -15,15 +15,18 @@ every step, params up per host update, params down per reselection), over the ti
 On this machine the "device" and the host are the same two CPU cores, so overlap buys less
 than on a GPU; the device idle fraction is reported only where a GPU is present.
 
-    python benchmarks/zenflow.py [--steps 16] [--intervals 4 8]
+    python benchmarks/zenflow.py [--steps 16] [--intervals 4 8] [--devices 8]
 """
 import argparse
 import re
 import time
 
+import sys
+
 from _common import simulate_devices
 
-simulate_devices(8)
+# --devices N (read before jax starts): 1 isolates the optimizer's cost from the collectives
+simulate_devices(int(sys.argv[sys.argv.index("--devices") + 1]) if "--devices" in sys.argv else 8)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -104,6 +107,7 @@ def main():
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--intervals", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--devices", type=int, default=8, help="simulated devices (read before jax starts)")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     batches = [{"x": rng.standard_normal((args.batch, WIDTH)).astype(np.float32),

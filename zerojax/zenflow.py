@@ -52,7 +52,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zerojax.config import ConfigError
-from zerojax.offload.host_adam import HostAdamW
+from zerojax.offload.host_adam import HostAdamW, host_zeros
 from zerojax.plan import ZeroPlan
 from zerojax.precision import global_norm
 from zerojax.state import TrainState
@@ -206,7 +206,10 @@ class ZenFlowStep:
         threads = max(1, round(cores * float(self.z["pt_reserved_cores_perc"])))
         self.host_opt = HostAdamW(lr=hp["lr"], b1=hp["b1"], b2=hp["b2"], eps=hp["eps"],
                                   weight_decay=hp["weight_decay"], num_threads=threads)
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="zenflow-host") if self.overlap else None
+        # one host worker runs, in order, every gradient's accumulation and every host update, so
+        # the device's next steps are dispatched while the host is busy (a FIFO: an update sees
+        # exactly the gradients accumulated before it)
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="zenflow-host")
         self._lr_now = hp["lr"]
 
         # ---- host buffers (fp32, logical shapes of the 2-D weights, one flat buffer each)
@@ -215,15 +218,16 @@ class ZenFlowStep:
         sizes = [m.size for m in mats]
         self.offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
         total = int(self.offsets[-1])
-        self.master = np.empty(total, np.float32)
+        # buffers XLA can update in place: the host AdamW runs as one compiled pass over them
+        self.master = host_zeros(total, np.float32)
         for j, m in enumerate(mats):
             self._view(self.master, j)[...] = m
-        self.m = np.zeros(total, np.float32)
-        self.v = np.zeros(total, np.float32)
+        self.m = host_zeros(total, np.float32)
+        self.v = host_zeros(total, np.float32)
         self.acc = [np.zeros(total, np.float32) for _ in range(2 if self.overlap else 1)]
         self.acc_steps = [0] * len(self.acc)
         self.cur = 0  # the accumulator the device's gradients go to
-        self.out16 = np.empty(total, jnp.dtype(cdt)) if cdt != jnp.float32 else None
+        self.out16 = host_zeros(total, jnp.dtype(cdt)) if cdt != jnp.float32 else None
         # ---- device state: fp32 copies + moments of the selected rows, and of the other leaves
         self.dev = None
         # ---- bookkeeping (Python ints)
@@ -343,6 +347,15 @@ class ZenFlowStep:
         self.acc_steps[acc_i] = 0
         return result, through
 
+    def _accumulate_grads(self, acc_i: int, grads) -> None:
+        acc = self.acc[acc_i]
+        for j, g in enumerate(grads):
+            _accumulate(self._view(acc, j), np.asarray(g))
+
+    def _drain(self) -> None:
+        """Wait until the host worker has done everything submitted so far."""
+        self._executor.submit(lambda: None).result()
+
     def _apply(self, params, result):
         flat, through = result
         keep_selected = self.selections > 0  # during warm-up nothing is selected yet
@@ -368,8 +381,9 @@ class ZenFlowStep:
         if self.acc_steps[acc_i] == 0:
             return params
         through = self.steps
-        if sync or self._executor is None:
-            params = self._apply(params, self._host_update(acc_i, through, self._lr_now))
+        if sync:
+            update = self._executor.submit(self._host_update, acc_i, through, self._lr_now)
+            params = self._apply(params, update.result())
         else:
             self._pending = self._executor.submit(self._host_update, acc_i, through, self._lr_now)
             self.cur = 1 - self.cur  # the device's next gradients go to the other accumulator
@@ -419,6 +433,7 @@ class ZenFlowStep:
             # host master is re-synced from the device weights and the device moments restart
             params = self._wait_pending(params)
             params = self._launch(params, sync=True)
+            self._drain()
             self.cur = 0
             logical = self._logical_params(state.replace(params=params))
             for j, i in enumerate(self.mat):
@@ -437,16 +452,14 @@ class ZenFlowStep:
         self.steps += 1
         self.since_select += 1
         # the full gradient goes to the host (in the compute dtype) and is accumulated in fp32
-        acc = self.acc[self.cur]
-        for j, g in enumerate(grads):
-            host = np.asarray(g)
-            self.bytes_to_host += host.nbytes
-            _accumulate(self._view(acc, j), host)
+        # on the host worker, so this thread goes on to dispatch the next device step
+        self.bytes_to_host += sum(int(g.nbytes) for g in grads)
+        self._executor.submit(self._accumulate_grads, self.cur, grads)
         self.acc_steps[self.cur] += 1
-        imp, unimp = np.asarray(metrics["imp"], np.float64), np.asarray(metrics["unimp"], np.float64)
-        self._imp_sum += imp
-        self._unimp += unimp
-        self._mass_steps += 1
+        if self.interval == "auto":  # Zen-auto reads the step's masses (waits for the device)
+            self._imp_sum += np.asarray(metrics["imp"], np.float64)
+            self._unimp += np.asarray(metrics["unimp"], np.float64)
+            self._mass_steps += 1
         if warm:
             params = self._launch(params, sync=True)
             self.reflected = self.steps
@@ -473,12 +486,12 @@ class ZenFlowStep:
         """Wait for the host, apply every accumulated gradient, and return the up-to-date state
         (call before evaluating or saving a checkpoint)."""
         params = self._launch(self._wait_pending(state.params), sync=True)
+        self._drain()
         self.reflected = self.steps
         return state.replace(params=params)
 
     def close(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
+        self._executor.shutdown(wait=True)
         self.host_opt.close()
 
     def __del__(self):  # pragma: no cover - best effort

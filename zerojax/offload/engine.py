@@ -131,18 +131,21 @@ class HostLoopStep:
         grads, m = self._device(state.params, batch, rng)
         finite = bool(m["finite"])
         skip = not finite and (self.cfg.precision != "bf16" or self.cfg.check_grad_overflow)
+        lr = float("nan")
         if not skip:
             self._flat(grads, self.grads)
             self.count += 1
+            lr = self.lr.next()
             # a failed write raises NvmeError here; the store keeps its last committed step and
             # the caller's state (not donated) is untouched
-            self.store.step(self.grads, self.count, lr=self.lr.next(), out16=self.out16)
+            self.store.step(self.grads, self.count, lr=lr, out16=self.out16)
             flat = self.out16 if self.out16 is not None else self.store.read_master()
             new = [flat[self.offsets[j]:self.offsets[j + 1]].reshape(lay.shape)
                    for j, lay in enumerate(self.plan.leaves)]
             state = state.replace(params=self._place(new))
         new_state = state.replace(step=state.step + 1)
         metrics = {"loss": m["loss"], "grad_norm": m["grad_norm"], "skipped": jnp.asarray(skip),
+                   "learning_rate": jnp.float32(lr), "loss_scale": jnp.float32(1.0),
                    "error": jnp.int32(OK if finite else NON_FINITE)}
         if self.check_errors and not finite and self.cfg.precision == "fp32":
             err = NonFiniteError(f"step {int(new_state.step) - 1}: the loss or a gradient is inf/nan under "

@@ -106,3 +106,37 @@ def test_lowers_to_a_single_triton_kernel_for_gpu_without_a_gpu():
         lowering_platforms=("cuda",)).as_text()
     assert text.count("xla.gpu.triton") == 1
     assert "grid_x = 2" in text
+
+
+@pytest.mark.parametrize("stage,precision", [(1, "fp32"), (2, "bf16"), (3, "fp32")])
+def test_the_step_updates_with_the_fused_kernel_like_optax(stage, precision):
+    import zerojax as zj
+    from helpers import batches, init_params, loss_fn, max_rel_err
+
+    def tx():
+        sched = optax.linear_schedule(1e-2, 1e-3, 4)
+        return optax.inject_hyperparams(optax.adamw)(learning_rate=sched, weight_decay=0.1)
+
+    params = init_params(jax.random.PRNGKey(0))
+    out = {}
+    for fused in (False, True):
+        config = zj.ZeroConfig(stage=stage, precision=precision, gradient_clipping=0.5, param_persistence_threshold=0)
+        state = zj.shard_train_state(params, tx(), config=config)
+        # small blocks so the kernel (not only its ragged tail) runs on these small leaves
+        step = zj.make_train_step(loss_fn, state, fused_adam=fused, fused_block_size=16)
+        for b in batches(4):
+            state, m = step(state, b)
+        out[fused] = (state.full_params(jnp.float32), state.opt_state)
+    assert max_rel_err(out[True][0], out[False][0]) < 1e-6
+    assert max_rel_err(out[True][1].inner_state[0].nu, out[False][1].inner_state[0].nu) < 1e-5
+    assert int(out[True][1].count) == int(out[False][1].count) == 4
+    assert float(out[True][1].hyperparams["learning_rate"]) == float(out[False][1].hyperparams["learning_rate"])
+
+
+def test_fused_step_needs_inject_hyperparams_adamw():
+    import zerojax as zj
+    from helpers import init_params, loss_fn
+
+    state = zj.shard_train_state(init_params(jax.random.PRNGKey(0)), optax.adamw(1e-2), config=zj.ZeroConfig(stage=2))
+    with pytest.raises(ValueError, match="inject_hyperparams"):
+        zj.make_train_step(loss_fn, state, fused_adam=True)

@@ -199,7 +199,70 @@ def _host_apply_fn(plan: ZeroPlan, tx):
     return host_apply
 
 
-def _update_fn(loss_fn: Callable, plan: ZeroPlan, tx, has_aux: bool):
+def _adam_node(opt_state):
+    """The ScaleByAdamState inside an ``inject_hyperparams(optax.adamw)`` state, else None."""
+    hp = getattr(opt_state, "hyperparams", None)
+    inner = getattr(opt_state, "inner_state", None)
+    if not isinstance(hp, dict) or not {"learning_rate", "b1", "b2", "eps", "weight_decay"} <= set(hp):
+        return None
+    if not isinstance(inner, tuple) or not inner or not isinstance(inner[0], optax.ScaleByAdamState):
+        return None
+    if any(not isinstance(x, optax.EmptyState) for x in inner[1:]):
+        return None
+    return inner[0]
+
+
+def _fused_adam_ok(opt_state) -> bool:
+    """Whether the fused kernel computes this optimizer's update (eps_root must be 0)."""
+    if _adam_node(opt_state) is None:
+        return False
+    eps_root = opt_state.hyperparams.get("eps_root", 0.0)
+    try:
+        return float(eps_root) == 0.0
+    except TypeError:  # abstract state (planning): the structure is what counts
+        return True
+
+
+def fused_adamw_update(plan: ZeroPlan, tx, master, opt_state, grads, block_size: int = 4096):
+    """AdamW through the Pallas kernel (``zerojax.offload.fused_adamw``): one pass per leaf over
+    this device's partition of the fp32 master, both moments and the gradient, in storage
+    layout (padding stays zero), writing the compute-dtype params in the same pass.
+    Returns ``(params_c, master, opt_state)``; the state's counts and hyperparameters (a
+    schedule's next value) come from running ``tx`` on a scalar-sized copy of the state."""
+    from zerojax.offload.fused_adam import fused_adamw
+
+    adam = _adam_node(opt_state)
+    axis = plan.data_axis
+    # counts, hyperparameters and schedules advance exactly as optax's would, on scalars
+    zeros = plan.map(lambda lay: jnp.zeros((), jnp.float32))
+    tiny = opt_state._replace(inner_state=(adam._replace(mu=zeros, nu=zeros),) + tuple(opt_state.inner_state[1:]))
+    _, new_tiny = tx.update(zeros, tiny, zeros)
+    hp = new_tiny.hyperparams  # the values used for this step
+    count = adam.count + 1
+    specs = plan.map(lambda lay: lay.data_spec(plan.opt_partitioned(lay), axis))
+    cdt = plan.compute_dtype
+    interpret = plan.mesh.devices.flat[0].platform == "cpu"
+
+    def body(p, m, v, g):
+        def one(p, m, v, g):
+            shape = p.shape
+            out = fused_adamw(p.reshape(-1), m.reshape(-1), v.reshape(-1), g.reshape(-1), count,
+                              hp["learning_rate"], hp["b1"], hp["b2"], hp["eps"], hp["weight_decay"],
+                              out_dtype=cdt, block_size=block_size, interpret=interpret)
+            return tuple(x.reshape(shape) for x in out)
+
+        flat = [plan.treedef.flatten_up_to(t) for t in (p, m, v, g)]
+        outs = [one(*xs) for xs in zip(*flat)]
+        return tuple(plan.treedef.unflatten([o[i] for o in outs]) for i in range(4))
+
+    sm = shard_map(body, plan.mesh, in_specs=(specs,) * 4, out_specs=(specs,) * 4, manual_axes={axis})
+    master, mu, nu, params_c = sm(master, adam.mu, adam.nu, grads)
+    new_adam = new_tiny.inner_state[0]._replace(mu=mu, nu=nu)
+    new_state = new_tiny._replace(inner_state=(new_adam,) + tuple(new_tiny.inner_state[1:]))
+    return params_c, master, new_state
+
+
+def _update_fn(loss_fn: Callable, plan: ZeroPlan, tx, has_aux: bool, fused_adam=None, fused_block: int = 4096):
     cfg = plan.config
     scaler = cfg.loss_scaler
     fp16 = cfg.precision == "fp16"
@@ -223,6 +286,8 @@ def _update_fn(loss_fn: Callable, plan: ZeroPlan, tx, has_aux: bool):
         params = C.gather_tree(plan, new_params, _split_not_stored_split(plan), dtype=plan.compute_dtype)
         return params, master, opt_state
 
+    fused = bool(fused_adam)
+
     def on_device(state, grads, skip):
         # offloaded state is fetched from host memory for the update and put back after it
         state = state.replace(params=plan.fetch(state.params, homes.params),
@@ -230,6 +295,11 @@ def _update_fn(loss_fn: Callable, plan: ZeroPlan, tx, has_aux: bool):
                               opt_state=plan.fetch(state.opt_state, homes.opt_state))
 
         def apply(_):
+            if fused:
+                params_c, master, opt_state = fused_adamw_update(plan, tx, master_view(plan, state),
+                                                                 state.opt_state, grads, fused_block)
+                params = C.gather_tree(plan, params_c, _split_not_stored_split(plan), dtype=plan.compute_dtype)
+                return params, (master if plan.has_master else None), opt_state
             # the optimizer works on logical shapes, split over the data axis
             master = plan.to_update(master_view(plan, state))
             updates, opt_state = tx.update(plan.to_update(grads), plan.opt_to_update(state.opt_state), master)
@@ -393,7 +463,8 @@ def compiler_options(plan: ZeroPlan, platform: str):
 
 
 def make_train_step(loss_fn: Callable, state: TrainState, *, has_aux: bool = False, donate: bool = True,
-                    check_errors: bool = True) -> TrainStep:
+                    check_errors: bool = True, fused_adam: bool | None = None,
+                    fused_block_size: int = 4096) -> TrainStep:
     """Build the jitted step for ``state``'s plan.
 
     ``loss_fn(params, batch) -> loss`` (or ``loss_fn(params, batch, rng)``, given a key unique
@@ -402,6 +473,11 @@ def make_train_step(loss_fn: Callable, state: TrainState, *, has_aux: bool = Fal
 
         step = zj.make_train_step(loss_fn, state)
         state, metrics = step(state, batch)
+
+    ``fused_adam``: update with the Pallas AdamW kernel (one in-place pass per leaf over the
+    master, both moments and the gradient, writing the 16-bit params too) instead of optax's
+    separate loops; needs ``optax.inject_hyperparams(optax.adamw)``. Default: on GPU meshes
+    when the optimizer is that AdamW. On CPU it runs in interpret mode (for tests).
     """
     plan = state.plan
     if plan.config.zenflow:
@@ -412,7 +488,13 @@ def make_train_step(loss_fn: Callable, state: TrainState, *, has_aux: bool = Fal
         from zerojax.offload.engine import HostLoopStep
 
         return HostLoopStep(loss_fn, state, has_aux, store="nvme", check_errors=check_errors)
-    fn = _update_fn(loss_fn, plan, state.tx, has_aux)
+    fusable = _fused_adam_ok(state.opt_state)
+    if fused_adam and not fusable:
+        raise ValueError("fused_adam=True needs tx=optax.inject_hyperparams(optax.adamw)(...) with no mask and "
+                         "eps_root=0: the fused kernel updates AdamW's moments in place.")
+    if fused_adam is None:
+        fused_adam = fusable and plan.mesh.devices.flat[0].platform == "gpu"
+    fn = _update_fn(loss_fn, plan, state.tx, has_aux, fused_adam, fused_block_size)
     shardings = state.shardings
     batch_sharding = NamedSharding(plan.mesh, P(plan.data_axis))
     rep = NamedSharding(plan.mesh, P())

@@ -165,16 +165,25 @@ def _reader(proc, lines):
         lines.append(line)
 
 
-def test_killed_worker_stops_the_launch():
-    proc = subprocess.Popen(LAUNCH + ["--nproc", "2", "--devices-per-proc", "2", "--grace", "2", WORKER, "loop"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env(), cwd=ROOT)
+def _launch_until_ready(args, timeout, poll):
+    """Start ``zerojax launch ARGS``; return (process, output lines) once both ranks print READY."""
+    proc = subprocess.Popen(LAUNCH + args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=child_env(), cwd=ROOT)
     lines: list = []
     threading.Thread(target=_reader, args=(proc, lines), daemon=True).start()
+    deadline = time.monotonic() + timeout
+    while sum("READY" in line for line in lines) < 2:
+        if proc.poll() is not None or time.monotonic() >= deadline:
+            proc.kill()
+            raise AssertionError("".join(lines))
+        time.sleep(poll)
+    return proc, lines
+
+
+def test_killed_worker_stops_the_launch():
+    proc, lines = _launch_until_ready(["--nproc", "2", "--devices-per-proc", "2", "--grace", "2", WORKER, "loop"],
+                                      120, 0.1)
     try:
-        deadline = time.monotonic() + 120
-        while sum("READY" in line for line in lines) < 2:
-            assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)
-            time.sleep(0.1)
         ready = [line for line in lines if line.startswith("[rank 1] READY")]
         assert ready and "sum 16.0" in ready[0], "".join(lines)  # 4 devices x 4 ones: a cross-process sum
         os.kill(int(ready[0].split()[3]), signal.SIGKILL)
@@ -227,15 +236,8 @@ def test_ctrl_c_reaches_every_rank(tmp_path):
             print("INTERRUPTED", os.environ["ZEROJAX_PROCESS_ID"], flush=True)
             raise SystemExit(1)
     """))
-    proc = subprocess.Popen(LAUNCH + ["--nproc", "2", str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=child_env(), cwd=ROOT)
-    lines: list = []
-    threading.Thread(target=_reader, args=(proc, lines), daemon=True).start()
+    proc, lines = _launch_until_ready(["--nproc", "2", str(script)], 60, 0.05)
     try:
-        deadline = time.monotonic() + 60
-        while sum("READY" in line for line in lines) < 2:
-            assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)
-            time.sleep(0.05)
         proc.send_signal(signal.SIGINT)
         code = proc.wait(timeout=30)
     finally:

@@ -175,3 +175,25 @@ def test_learning_rate_schedule_is_followed_on_device_and_host():
     assert lrs[0] == 0.0 and max(lrs) == pytest.approx(2e-2)
     assert max_rel_err(logical_params(state), want) < 1e-6
     step.close()
+
+
+def test_state_carries_only_params_and_checkpoints_round_trip(tmp_path):
+    params = init_params(jax.random.PRNGKey(0))
+    block = {"update_interval": 2, "topk_ratio": 0.2, "select_strategy": "step", "select_interval": 4}
+    state = zen_state(params, block, precision="bf16")
+    assert state.master is None and state.opt_state is None  # the step's host buffers hold them
+    step = zj.make_train_step(loss_fn, state)
+    for b in batches(3):
+        state, _ = step(state, b)
+    state = step.finish(state)
+    step.close()
+    manager = zj.CheckpointManager(str(tmp_path / "ckpt"))
+    manager.save(3, state)
+    manager.wait_until_finished()
+    restored, _ = manager.restore(zen_state(params, block, precision="bf16"), 3)
+    for a, b in zip(jax.tree_util.tree_leaves(restored.params), jax.tree_util.tree_leaves(state.params)):
+        assert np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    resumed = zj.make_train_step(loss_fn, restored)  # a new run starts its moments from zero
+    restored, m = resumed(restored, batches(4)[3])
+    assert np.isfinite(float(m["loss"]))
+    resumed.close()

@@ -230,6 +230,12 @@ class ZeroPlan:
         return _memory_kind(self.config.offload_param is not None, self.config.pin_memory)
 
     @property
+    def optimizer_state_outside(self) -> bool:
+        """Whether the step keeps the fp32 master and optimizer state itself (NVMe files,
+        ZenFlow's host buffers), so the TrainState carries only the params."""
+        return self.config.offload_optimizer == "nvme" or bool(self.config.zenflow)
+
+    @property
     def host_update(self) -> bool:
         """Whether the optimizer update runs on the host (ZeRO-Offload), not the device."""
         return self.config.offload_optimizer == "cpu"

@@ -54,12 +54,12 @@ def state_shardings(plan: ZeroPlan, tx) -> TrainState:
     """The sharding of every leaf of a TrainState for ``plan`` and ``tx`` (a TrainState of shardings)."""
     rep = _replicated(plan)
     scaler = jax.tree_util.tree_map(lambda _: rep, plan.config.loss_scaler.init())
-    on_nvme = plan.config.offload_optimizer == "nvme"  # the master and moments live in files
+    outside = plan.optimizer_state_outside  # the step keeps the master and moments itself
     return TrainState(
         step=rep,
         params=plan.param_shardings,
-        master=plan.master_shardings if plan.has_master and not on_nvme else None,
-        opt_state=None if on_nvme else plan.opt_state_shardings(jax.eval_shape(tx.init, plan.abstract_master())),
+        master=plan.master_shardings if plan.has_master and not outside else None,
+        opt_state=None if outside else plan.opt_state_shardings(jax.eval_shape(tx.init, plan.abstract_master())),
         loss_scale=scaler,
         rng=rep,
         plan=plan,
@@ -73,7 +73,7 @@ def _build_fn(plan: ZeroPlan, tx):
 
     def build(full):
         params = plan.map(lambda lay, x: plan.pad(x.astype(cdt), lay) if lay.params_partitioned else x.astype(cdt), full)
-        if plan.config.offload_optimizer == "nvme":  # the step creates the state in files
+        if plan.optimizer_state_outside:  # the step creates the state (files, ZenFlow's buffers)
             return jax.tree_util.tree_map(lambda x: jnp.array(x, copy=True), (params, None, None))
         master = plan.map(lambda lay, x: x.astype(jnp.float32), full)
         opt_state = plan.opt_to_storage(tx.init(master))

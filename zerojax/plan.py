@@ -384,6 +384,16 @@ class ZeroPlan:
             return jax.device_put(x, s)
         return jax.tree_util.tree_map(one, tree, shardings, is_leaf=lambda x: x is None)
 
+    def params_logical(self, params) -> list:
+        """Stored params -> their leaves in the user's (unpadded) shapes, in flatten order."""
+        return [self.unpad(x, lay) if lay.params_partitioned else x
+                for lay, x in zip(self.leaves, self.treedef.flatten_up_to(params))]
+
+    def params_stored(self, leaves):
+        """Leaves in the user's shapes (flatten order) -> the params tree in storage layout."""
+        return self.treedef.unflatten([self.pad(x, lay) if lay.params_partitioned else x
+                                       for lay, x in zip(self.leaves, leaves)])
+
     # ------------------------------------------------------------- layout changes
     @staticmethod
     def pad(x, lay: LeafLayout):

@@ -168,8 +168,9 @@ def master_view(plan: ZeroPlan, state: TrainState):
 
 
 def params_from_master(plan: ZeroPlan, master):
-    """Updated fp32 master -> compute params in their storage layout. Leaves stored whole but
-    updated in partitions are all-gathered once, in the compute dtype (the Ψ of stages 1–2)."""
+    """Updated master (fp32, or already cast to the compute dtype) -> compute params in their
+    storage layout. Leaves stored whole but updated in partitions are all-gathered once, in
+    the compute dtype (the Ψ of stages 1–2)."""
     return C.gather_tree(plan, master, _split_not_stored_split(plan), dtype=plan.compute_dtype)
 
 
@@ -180,6 +181,14 @@ def clip_coefficient(norm, clip: float):
     return jnp.maximum(jnp.float32(1.0), (norm + 1e-6) / clip)
 
 
+def optax_update(plan: ZeroPlan, tx, master, grads, opt_state):
+    """``tx`` on the user's logical shapes (padding stripped, split over the data axis) from
+    partitioned storage and back: ``(master, opt_state)`` updated, in storage layout."""
+    current = plan.to_update(master)
+    updates, opt_state = tx.update(plan.to_update(grads), plan.opt_to_update(opt_state), current)
+    return plan.to_storage(optax.apply_updates(current, updates)), plan.opt_to_storage(opt_state)
+
+
 def _host_apply_fn(plan: ZeroPlan, tx):
     """The optimizer update as it runs on the host (``compute_on``): compute-dtype, loss-scaled
     gradients and the fp32 master/optimizer state in -> compute-dtype params, master, state out."""
@@ -187,10 +196,7 @@ def _host_apply_fn(plan: ZeroPlan, tx):
 
     def host_apply(grads, master, opt_state, scale, coef, skip):
         grads = jax.tree_util.tree_map(lambda g: g.astype(f32) / scale / coef, grads)
-        current = plan.to_update(master)
-        updates, new_opt = tx.update(plan.to_update(grads), plan.opt_to_update(opt_state), current)
-        new_master = plan.to_storage(optax.apply_updates(current, updates))
-        new_opt = plan.opt_to_storage(new_opt)
+        new_master, new_opt = optax_update(plan, tx, master, grads, opt_state)
         keep = functools.partial(jax.tree_util.tree_map, lambda o, n: jnp.where(skip, o, same_memory_space(n, o)))
         new_master, new_opt = keep(master, new_master), keep(opt_state, new_opt)
         new_params = jax.tree_util.tree_map(lambda x: x.astype(plan.compute_dtype), new_master)
@@ -283,8 +289,7 @@ def _update_fn(loss_fn: Callable, plan: ZeroPlan, tx, has_aux: bool, fused_adam=
         new_params, master, opt_state = host_apply(to_host, master, state.opt_state, scale, coef, skip)
         new_params = plan.map(lambda lay, x: jax.device_put(x, plan.master_sharding(lay).with_memory_kind(DEVICE)),
                               new_params)
-        params = C.gather_tree(plan, new_params, _split_not_stored_split(plan), dtype=plan.compute_dtype)
-        return params, master, opt_state
+        return params_from_master(plan, new_params), master, opt_state
 
     fused = bool(fused_adam)
 
@@ -298,13 +303,8 @@ def _update_fn(loss_fn: Callable, plan: ZeroPlan, tx, has_aux: bool, fused_adam=
             if fused:
                 params_c, master, opt_state = fused_adamw_update(plan, tx, master_view(plan, state),
                                                                  state.opt_state, grads, fused_block)
-                params = C.gather_tree(plan, params_c, _split_not_stored_split(plan), dtype=plan.compute_dtype)
-                return params, (master if plan.has_master else None), opt_state
-            # the optimizer works on logical shapes, split over the data axis
-            master = plan.to_update(master_view(plan, state))
-            updates, opt_state = tx.update(plan.to_update(grads), plan.opt_to_update(state.opt_state), master)
-            master = plan.to_storage(optax.apply_updates(master, updates))
-            opt_state = plan.opt_to_storage(opt_state)
+                return params_from_master(plan, params_c), (master if plan.has_master else None), opt_state
+            master, opt_state = optax_update(plan, tx, master_view(plan, state), grads, state.opt_state)
             return params_from_master(plan, master), (master if plan.has_master else None), opt_state
 
         # a select rather than lax.cond: it fuses into the update, which then writes the

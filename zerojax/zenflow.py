@@ -52,8 +52,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zerojax.config import ConfigError
-from zerojax.offload.host_adam import HostAdamW, host_zeros
-from zerojax.plan import ZeroPlan
+from zerojax.offload.host_adam import FlatLayout, HostAdamW, host_zeros
 from zerojax.precision import global_norm
 from zerojax.state import TrainState
 
@@ -213,15 +212,11 @@ class ZenFlowStep:
         self._lr_now = hp["lr"]
 
         # ---- host buffers (fp32, logical shapes of the 2-D weights, one flat buffer each)
-        logical = self._logical_params(state)
-        mats = [np.asarray(jax.device_get(logical[i]), np.float32) for i in self.mat]
-        sizes = [m.size for m in mats]
-        self.offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-        total = int(self.offsets[-1])
+        self.layout = FlatLayout.from_tree([jax.ShapeDtypeStruct(plan.leaves[i].shape, np.float32) for i in self.mat])
+        total = self.layout.total
         # buffers XLA can update in place: the host AdamW runs as one compiled pass over them
         self.master = host_zeros(total, np.float32)
-        for j, m in enumerate(mats):
-            self._view(self.master, j)[...] = m
+        self._master_from(state.params)
         self.m = host_zeros(total, np.float32)
         self.v = host_zeros(total, np.float32)
         self.acc = [np.zeros(total, np.float32) for _ in range(2 if self.overlap else 1)]
@@ -242,7 +237,6 @@ class ZenFlowStep:
         self.bytes_to_host = 0
         self.bytes_to_device = 0
         self._pending: Optional[Future] = None
-        self._pending_through = 0
         self._unimp = np.zeros(len(self.mat))
         self._imp_sum = np.zeros(len(self.mat))
         self._mass_steps = 0
@@ -251,14 +245,11 @@ class ZenFlowStep:
         self._build(loss_fn, has_aux, grads_fn, clip_coefficient)
 
     # ------------------------------------------------------------------ helpers
-    def _view(self, flat: np.ndarray, j: int) -> np.ndarray:
-        lay = self.plan.leaves[self.mat[j]]
-        return flat[self.offsets[j]:self.offsets[j + 1]].reshape(lay.shape)
-
-    def _logical_params(self, state):
-        plan = self.plan
-        return [plan.unpad(x, lay) if lay.params_partitioned else x
-                for lay, x in zip(plan.leaves, plan.treedef.flatten_up_to(state.params))]
+    def _master_from(self, params) -> None:
+        """The host master of the 2-D weights := the device's params (widened to fp32)."""
+        logical = self.plan.params_logical(params)
+        for view, i in zip(self.layout.views(self.master), self.mat):
+            np.copyto(view, np.asarray(logical[i]), casting="same_kind")
 
     def _build(self, loss_fn, has_aux, grads_fn, clip_coefficient):
         plan, cdt, mat, vec = self.plan, self.cdt, self.mat, self.vec
@@ -267,14 +258,8 @@ class ZenFlowStep:
         f32 = jnp.float32
         rep = NamedSharding(plan.mesh, P())
 
-        def to_storage(lay, x):
-            return plan.pad(x, lay) if lay.params_partitioned else x
-
-        def logical(leaves):
-            return [plan.unpad(x, lay) if lay.params_partitioned else x for lay, x in zip(plan.leaves, leaves)]
-
         def init_dev(params):
-            leaves = logical(plan.treedef.flatten_up_to(params))
+            leaves = plan.params_logical(params)
             vec_master = [leaves[i].astype(f32) for i in vec]
             return {"idx": [jnp.zeros((k,), jnp.int32) for k in topk],
                     "sel": [jnp.zeros((k,) + plan.leaves[i].shape[1:], f32) for i, k in zip(mat, topk)],
@@ -285,8 +270,7 @@ class ZenFlowStep:
             return jax.tree_util.tree_map(lambda p, u: p + u * (-lr), ps, updates)
 
         def device_step(params, dev, batch, rng, lr, reselect: bool, warm: bool):
-            stored = plan.treedef.flatten_up_to(params)
-            leaves = logical(stored)
+            leaves = plan.params_logical(params)
             g_st, loss = compute_grads(params, batch, f32(1.0), rng)
             g = plan.treedef.flatten_up_to(plan.to_update(g_st))
             norm = global_norm(g)
@@ -314,18 +298,18 @@ class ZenFlowStep:
                 out[i] = x.astype(cdt)
             imp = jnp.stack([jnp.sum(jnp.abs(x)) for x in g_sel]) if mat else jnp.zeros((0,))
             tot = jnp.stack([jnp.sum(jnp.abs(g[i])) for i in mat]) if mat else jnp.zeros((0,))
-            new_params = plan.treedef.unflatten([to_storage(lay, x) for lay, x in zip(plan.leaves, out)])
+            new_params = plan.params_stored(out)
             dev = {"idx": idx, "sel": sel, "sel_opt": sel_opt, "vec": vec_master, "vec_opt": vec_opt}
             host_grads = [g[i].astype(cdt) for i in mat]
             return new_params, dev, host_grads, {"loss": loss, "grad_norm": norm, "imp": imp, "unimp": tot - imp}
 
         def merge(params, host_params, idx, keep_selected: bool):
-            leaves = logical(plan.treedef.flatten_up_to(params))
+            leaves = plan.params_logical(params)
             out = list(leaves)
             for j, i in enumerate(mat):
                 new = host_params[j].astype(cdt)
                 out[i] = new.at[idx[j]].set(leaves[i][idx[j]]) if keep_selected else new
-            return plan.treedef.unflatten([to_storage(lay, x) for lay, x in zip(plan.leaves, out)])
+            return plan.params_stored(out)
 
         shardings = plan.param_shardings
         self._init_dev = jax.jit(init_dev)
@@ -348,9 +332,8 @@ class ZenFlowStep:
         return result, through
 
     def _accumulate_grads(self, acc_i: int, grads) -> None:
-        acc = self.acc[acc_i]
-        for j, g in enumerate(grads):
-            _accumulate(self._view(acc, j), np.asarray(g))
+        for view, g in zip(self.layout.views(self.acc[acc_i]), grads):
+            _accumulate(view, np.asarray(g))
 
     def _drain(self) -> None:
         """Wait until the host worker has done everything submitted so far."""
@@ -359,7 +342,7 @@ class ZenFlowStep:
     def _apply(self, params, result):
         flat, through = result
         keep_selected = self.selections > 0  # during warm-up nothing is selected yet
-        host_params = [self._view(flat, j) for j in range(len(self.mat))]
+        host_params = self.layout.views(flat)
         self.bytes_to_device += flat.nbytes
         params = self._merge(params, host_params, self.dev["idx"], keep_selected=keep_selected)
         self.reflected = max(self.reflected, through)
@@ -435,11 +418,8 @@ class ZenFlowStep:
             params = self._launch(params, sync=True)
             self._drain()
             self.cur = 0
-            logical = self._logical_params(state.replace(params=params))
-            for j, i in enumerate(self.mat):
-                x = np.asarray(jax.device_get(logical[i]), np.float32)
-                self.bytes_to_host += x.size * jnp.dtype(self.cdt).itemsize
-                self._view(self.master, j)[...] = x
+            self._master_from(params)
+            self.bytes_to_host += self.layout.total * jnp.dtype(self.cdt).itemsize
             self.reflected = self.steps
             self.selections += 1
             self.since_select = 0
@@ -501,8 +481,4 @@ class ZenFlowStep:
             pass
 
 
-def is_zenflow(state: TrainState) -> bool:
-    return bool(state.plan.config.zenflow)
-
-
-__all__ = ["ZenFlowStep", "zenflow_settings", "adamw_hyperparams", "AUTO_MAX_INTERVAL", "is_zenflow"]
+__all__ = ["ZenFlowStep", "zenflow_settings", "adamw_hyperparams", "AUTO_MAX_INTERVAL"]

@@ -13,19 +13,16 @@ buffers); the NVMe step's results equal it bitwise.
 from __future__ import annotations
 
 import os
-from typing import Callable, Optional
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from zerojax.config import ConfigError
-from zerojax.offload.host_adam import HostAdamW
+from zerojax.offload.host_adam import FlatLayout, HostAdamW
 from zerojax.offload.nvme import NvmeOptimizerStore, _validate_dir
 from zerojax.state import TrainState
-
-OK, NON_FINITE = 0, 1
-
 
 class MemoryAdamW:
     """The store interface over host-memory buffers: init / step / read_master / close."""
@@ -76,9 +73,8 @@ class HostLoopStep:
                                   weight_decay=hp["weight_decay"])
         self.lr = LearningRate(state, hp["lr"])
         self.cdt = plan.compute_dtype
-        self.sizes = [int(np.prod(lay.shape)) for lay in plan.leaves]
-        self.offsets = np.concatenate([[0], np.cumsum(self.sizes)]).astype(np.int64)
-        n = int(self.offsets[-1])
+        self.layout = FlatLayout.from_tree([jax.ShapeDtypeStruct(lay.shape, np.float32) for lay in plan.leaves])
+        n = self.layout.total
         if store == "nvme":
             _validate_dir(cfg.nvme_path)  # missing / not a directory / not writable: a clear error now
             path = os.path.join(cfg.nvme_path, f"zerojax_optimizer_p{jax.process_index()}")
@@ -91,7 +87,7 @@ class HostLoopStep:
         self.grads = np.empty(n, jnp.dtype(self.cdt))
         self.out16 = np.empty(n, jnp.dtype(self.cdt)) if self.cdt != jnp.float32 else None
         self.count = 0
-        self.store.init(self._flat(self._logical(state.params), np.empty(n, np.float32)))
+        self.store.init(self._flat(plan.params_logical(state.params), np.empty(n, np.float32)))
         compute_grads = grads_fn(loss_fn, plan, has_aux)
         clip = cfg.gradient_clipping
         from zerojax.precision import global_norm, tree_all_finite
@@ -106,24 +102,18 @@ class HostLoopStep:
             return leaves, {"loss": loss, "grad_norm": norm, "finite": finite, "coef": coef}
 
         def place(leaves):
-            return plan.treedef.unflatten([plan.pad(x.astype(self.cdt), lay) if lay.params_partitioned else
-                                           x.astype(self.cdt) for lay, x in zip(plan.leaves, leaves)])
+            return plan.params_stored([x.astype(self.cdt) for x in leaves])
 
         self._device = jax.jit(device)
         self._place = jax.jit(place, out_shardings=plan.param_shardings)
 
-    def _logical(self, params):
-        plan = self.plan
-        return [plan.unpad(x, lay) if lay.params_partitioned else x
-                for lay, x in zip(plan.leaves, plan.treedef.flatten_up_to(params))]
-
     def _flat(self, leaves, out: np.ndarray) -> np.ndarray:
-        for j, x in enumerate(leaves):
-            out[self.offsets[j]:self.offsets[j + 1]] = np.asarray(jax.device_get(x)).reshape(-1)
+        for view, x in zip(self.layout.views(out), leaves):
+            np.copyto(view, np.asarray(x), casting="same_kind")
         return out
 
     def __call__(self, state: TrainState, batch):
-        from zerojax.step import NonFiniteError, check_batch
+        from zerojax.step import NON_FINITE, OK, NonFiniteError, check_batch
 
         self._check_state(self.plan, state)
         check_batch(self.plan, batch)
@@ -140,9 +130,7 @@ class HostLoopStep:
             # the caller's state (not donated) is untouched
             self.store.step(self.grads, self.count, lr=lr, out16=self.out16)
             flat = self.out16 if self.out16 is not None else self.store.read_master()
-            new = [flat[self.offsets[j]:self.offsets[j + 1]].reshape(lay.shape)
-                   for j, lay in enumerate(self.plan.leaves)]
-            state = state.replace(params=self._place(new))
+            state = state.replace(params=self._place(self.layout.views(flat)))
         new_state = state.replace(step=state.step + 1)
         metrics = {"loss": m["loss"], "grad_norm": m["grad_norm"], "skipped": jnp.asarray(skip),
                    "learning_rate": jnp.float32(lr), "loss_scale": jnp.float32(1.0),

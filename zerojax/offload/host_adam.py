@@ -606,6 +606,22 @@ class FlatLayout:
 
     def unflatten(self, buffers: dict) -> Any:
         """The tree as zero-copy, reshaped views into ``buffers``."""
-        leaves = [buffers[dt][off:off + math.prod(shape)].reshape(shape)
-                  for shape, dt, off in zip(self.shapes, self.dtypes, self.offsets)]
-        return self.treedef.unflatten(leaves)
+        return self.treedef.unflatten([self._leaf(buffers[dt], shape, off)
+                                       for shape, dt, off in zip(self.shapes, self.dtypes, self.offsets)])
+
+    def views(self, flat: np.ndarray) -> Any:
+        """For a layout of one dtype: the tree as zero-copy views into ``flat``, any buffer of
+        ``total`` elements whatever its element type (the same offsets serve the fp32 state,
+        the 16-bit gradients and the 16-bit params)."""
+        if len(self.sizes) != 1 or flat.size != self.total:
+            raise ValueError(f"FlatLayout.views: needs a layout of one dtype (got {sorted(self.sizes)}) and a "
+                             f"flat buffer of {self.total} elements (got {flat.size}).")
+        return self.treedef.unflatten([self._leaf(flat, shape, off) for shape, off in zip(self.shapes, self.offsets)])
+
+    @property
+    def total(self) -> int:
+        return sum(self.sizes.values())
+
+    @staticmethod
+    def _leaf(buf: np.ndarray, shape, off: int) -> np.ndarray:
+        return buf[off:off + math.prod(shape)].reshape(shape)

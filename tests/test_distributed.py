@@ -1,5 +1,6 @@
 """Multi-process runs: 2 processes x 4 CPU devices against 1 x 8, checkpoints across process counts,
 the launcher's failure handling, start-up errors, and the environment each launcher sets."""
+import contextlib
 import json
 import os
 import re
@@ -165,36 +166,37 @@ def _reader(proc, lines):
         lines.append(line)
 
 
-def _launch_until_ready(args, timeout, poll):
-    """Start ``zerojax launch ARGS``; return (process, output lines) once both ranks print READY."""
+@contextlib.contextmanager
+def _launched_until_ready(args, timeout, poll):
+    """``zerojax launch ARGS``, entered once both ranks print READY: (process, output lines so
+    far, still growing). On exit the launcher is killed if still running and its output closed."""
     proc = subprocess.Popen(LAUNCH + args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=child_env(), cwd=ROOT)
     lines: list = []
     threading.Thread(target=_reader, args=(proc, lines), daemon=True).start()
-    deadline = time.monotonic() + timeout
-    while sum("READY" in line for line in lines) < 2:
-        if proc.poll() is not None or time.monotonic() >= deadline:
+    try:
+        deadline = time.monotonic() + timeout
+        while sum("READY" in line for line in lines) < 2:
+            if proc.poll() is not None or time.monotonic() >= deadline:
+                raise AssertionError("".join(lines))
+            time.sleep(poll)
+        yield proc, lines
+    finally:
+        if proc.poll() is None:
             proc.kill()
-            raise AssertionError("".join(lines))
-        time.sleep(poll)
-    return proc, lines
+        time.sleep(0.2)
+        proc.stdout.close()
 
 
 def test_killed_worker_stops_the_launch():
-    proc, lines = _launch_until_ready(["--nproc", "2", "--devices-per-proc", "2", "--grace", "2", WORKER, "loop"],
-                                      120, 0.1)
-    try:
+    args = ["--nproc", "2", "--devices-per-proc", "2", "--grace", "2", WORKER, "loop"]
+    with _launched_until_ready(args, 120, 0.1) as (proc, lines):
         ready = [line for line in lines if line.startswith("[rank 1] READY")]
         assert ready and "sum 16.0" in ready[0], "".join(lines)  # 4 devices x 4 ones: a cross-process sum
         os.kill(int(ready[0].split()[3]), signal.SIGKILL)
         killed = time.monotonic()
         code = proc.wait(timeout=60)
         elapsed = time.monotonic() - killed
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    time.sleep(0.2)
-    proc.stdout.close()
     text = "".join(lines)
     assert code != 0 and elapsed < 30, (code, elapsed, text)
     assert "rank 1 (host localhost) was killed by SIGKILL" in text, text
@@ -236,15 +238,9 @@ def test_ctrl_c_reaches_every_rank(tmp_path):
             print("INTERRUPTED", os.environ["ZEROJAX_PROCESS_ID"], flush=True)
             raise SystemExit(1)
     """))
-    proc, lines = _launch_until_ready(["--nproc", "2", str(script)], 60, 0.05)
-    try:
+    with _launched_until_ready(["--nproc", "2", str(script)], 60, 0.05) as (proc, lines):
         proc.send_signal(signal.SIGINT)
         code = proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    time.sleep(0.2)
-    proc.stdout.close()
     text = "".join(lines)
     assert code == 128 + signal.SIGINT, text
     assert "[rank 0] INTERRUPTED 0" in text and "[rank 1] INTERRUPTED 1" in text, text

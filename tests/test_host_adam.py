@@ -31,6 +31,32 @@ def assert_close(actual, expected, rtol=1e-6):
     np.testing.assert_allclose(actual, expected, rtol=rtol, atol=floor)
 
 
+def adam_problem(n, gdtype, scale, wd, place=lambda g: g):
+    """Start params and 5 gradients (``gdtype``; uint16: bfloat16 bits), each put where ``place``
+    says, and optax's (p, m, v) after those 5 steps."""
+    rng = np.random.default_rng(n)
+    p0 = rng.standard_normal(n).astype(np.float32)
+    grads = []
+    for _ in range(5):
+        g = (rng.standard_normal(n) * 0.1).astype(np.float32)
+        g = g.astype(BF16).view(np.uint16) if gdtype == np.uint16 else g.astype(gdtype)
+        grads.append(place(g))
+    ref_grads = [g.view(BF16) if g.dtype == np.uint16 else g for g in grads]
+    return p0, grads, optax_reference(p0, ref_grads, scale, LR, B1, B2, EPS, wd)
+
+
+def assert_matches(p, m, v, out16, odtype, reference):
+    p_ref, m_ref, v_ref = reference
+    assert_close(p, p_ref)
+    assert_close(m, m_ref)
+    assert_close(v, v_ref)
+    if out16 is not None:  # the 16-bit copy is the new params rounded to nearest even
+        want = p.astype(BF16 if odtype in (BF16, np.uint16) else np.float16)
+        np.testing.assert_array_equal(out16.view(np.uint16), want.view(np.uint16))
+
+
+LR, B1, B2, EPS = 1e-2, 0.9, 0.99, 1e-8
+
 CASES = [
     # n, wd, grad_scale, grads dtype, out16 dtype, threads, chunk
     (1000, 0.0, 1.0, np.float32, None, 1, 256),
@@ -45,31 +71,13 @@ CASES = [
 
 @pytest.mark.parametrize("n,wd,scale,gdtype,odtype,threads,chunk", CASES)
 def test_matches_optax_adamw(n, wd, scale, gdtype, odtype, threads, chunk):
-    rng = np.random.default_rng(n)
-    lr, b1, b2, eps = 1e-2, 0.9, 0.99, 1e-8
-    p0 = rng.standard_normal(n).astype(np.float32)
-    grads = []
-    for _ in range(5):
-        g = (rng.standard_normal(n) * 0.1).astype(np.float32)
-        if gdtype == np.uint16:
-            grads.append(g.astype(BF16).view(np.uint16))
-        else:
-            grads.append(g.astype(gdtype))
-    ref_grads = [g.view(BF16) if g.dtype == np.uint16 else g for g in grads]
-    p_ref, m_ref, v_ref = optax_reference(p0, ref_grads, scale, lr, b1, b2, eps, wd)
-
+    p0, grads, reference = adam_problem(n, gdtype, scale, wd)
     p, m, v = p0.copy(), np.zeros(n, np.float32), np.zeros(n, np.float32)
     out16 = None if odtype is None else np.full(n, 7, np.dtype(odtype))
-    with HostAdamW(lr, b1, b2, eps, wd, num_threads=threads, chunk_elements=chunk) as opt:
+    with HostAdamW(LR, B1, B2, EPS, wd, num_threads=threads, chunk_elements=chunk) as opt:
         for k, g in enumerate(grads):
             opt.step(p, g, m, v, count=k + 1, grad_scale=scale, out16=out16)
-    assert_close(p, p_ref)
-    assert_close(m, m_ref)
-    assert_close(v, v_ref)
-    if out16 is not None:
-        want = p.astype(BF16 if odtype in (BF16, np.uint16) else np.float16)
-        got = out16.view(BF16) if odtype == np.uint16 else out16
-        np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
+    assert_matches(p, m, v, out16, odtype, reference)
 
 
 def test_learning_rate_override_and_thread_count_do_not_change_bits():
@@ -175,23 +183,13 @@ COMPILED_CASES = [
 @pytest.mark.parametrize("n,wd,scale,gdtype,odtype,block,where", COMPILED_CASES)
 def test_compiled_step_matches_optax_adamw(monkeypatch, n, wd, scale, gdtype, odtype, block,
                                            where):
-    rng = np.random.default_rng(n)
-    lr, b1, b2, eps = 1e-2, 0.9, 0.99, 1e-8
-    p0 = rng.standard_normal(n).astype(np.float32)
-    grads = []
-    for _ in range(5):
-        g = (rng.standard_normal(n) * 0.1).astype(np.float32)
-        g = g.astype(BF16).view(np.uint16) if gdtype == np.uint16 else g.astype(gdtype)
-        grads.append(_grads_buffer(g, where))
-    ref_grads = [g.view(BF16) if g.dtype == np.uint16 else g for g in grads]
-    p_ref, m_ref, v_ref = optax_reference(p0, ref_grads, scale, lr, b1, b2, eps, wd)
-
+    p0, grads, reference = adam_problem(n, gdtype, scale, wd, place=lambda g: _grads_buffer(g, where))
     p, m, v = host_zeros(n), host_zeros(n), host_zeros(n)
     p[:] = p0
     address = p.ctypes.data
     out16 = None if odtype is None else host_zeros(n, odtype)
     ranges = _spy_numpy_path(monkeypatch)
-    with HostAdamW(lr, b1, b2, eps, wd, num_threads=1, block_elements=block) as opt:
+    with HostAdamW(LR, B1, B2, EPS, wd, num_threads=1, block_elements=block) as opt:
         for k, g in enumerate(grads):
             opt.step(p, g, m, v, count=k + 1, grad_scale=scale, out16=out16)
     # XLA updated the whole blocks from the gradients' first 64-byte aligned element on;
@@ -202,12 +200,7 @@ def test_compiled_step_matches_optax_adamw(monkeypatch, n, wd, scale, gdtype, od
     per_step = ([(rest, n)] if rest < n else []) + ([(0, head)] if head else [])
     assert ranges == per_step * 5
     assert p.ctypes.data == address
-    assert_close(p, p_ref)
-    assert_close(m, m_ref)
-    assert_close(v, v_ref)
-    if out16 is not None:
-        want = p.astype(BF16 if odtype in (BF16, np.uint16) else np.float16)
-        np.testing.assert_array_equal(out16.view(np.uint16), want.view(np.uint16))
+    assert_matches(p, m, v, out16, odtype, reference)
 
 
 def test_compiled_step_split_with_the_numpy_path(monkeypatch):

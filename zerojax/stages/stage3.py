@@ -20,12 +20,18 @@ it), so they are neither hoisted out of the micro-batch loop nor merged with the
 gathers. When a param is first needed, the gathers of the params used next (up to
 ``prefetch_bucket_size`` elements) are issued at the same point, ahead of the compute.
 
+A param larger than ``prefetch_bucket_size`` elements that meets an activation in a matmul
+is gathered slice by slice inside a loop (forward and backward), and a row lookup in a table
+split along its features moves only the rows (an all-to-all); a tied embedding is then never
+whole on a device, nor is its gradient.
+
 A model may mark a point itself with ``zj.gather(params)``: outside a stage-3 step it is the
 identity; inside, the params are gathered there.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Callable, List, Optional, Sequence
 
 import jax
@@ -78,6 +84,9 @@ class Lazy:
 
     sources: tuple  # Base, in order
     fn: Callable
+    # for one source reached through shape-agnostic ops only (transposes, casts): the value's
+    # axis for each of the param's axes, so ``fn`` may be applied to a slice of the param
+    dims: Optional[tuple] = None
 
     @property
     def is_param(self) -> bool:
@@ -90,7 +99,22 @@ def _identity(full):
 
 
 def _param(base: Base) -> Lazy:
-    return Lazy((base,), _identity)
+    return Lazy((base,), _identity, tuple(range(len(base.lay.shape))))
+
+
+_SHAPE_AGNOSTIC = ("convert_element_type", "copy", "copy_p", "neg", "reduce_precision")
+
+
+def _dims_after(eqn, invals) -> Optional[tuple]:
+    """``Lazy.dims`` of ``eqn``'s output, when it keeps a one-param lazy value sliceable."""
+    lazies = [x for x in invals if isinstance(x, Lazy)]
+    if len(lazies) != 1 or len(invals) != 1 or lazies[0].dims is None or len(lazies[0].sources) != 1:
+        return None
+    dims = lazies[0].dims
+    if eqn.primitive.name == "transpose":
+        perm = tuple(eqn.params["permutation"])
+        return tuple(perm.index(d) for d in dims)
+    return dims if eqn.primitive.name in _SHAPE_AGNOSTIC else None
 
 
 def _bind(eqn, invals):
@@ -154,6 +178,154 @@ def _use_site(op: Callable[[list], list], invals: list, anchor):
     return site(fulls, shards, [invals[i] for i in diff_pos], [invals[i] for i in const_pos])
 
 
+# ---------------------------------------------------------------------------- large params
+# A param larger than the fetch unit (``prefetch_bucket_size``) is never whole on a device
+# when its use allows: a matmul gathers it slice by slice, and a row lookup reads only the
+# rows it needs. Both return the gradient of the local shard directly, reduce-scattered slice
+# by slice, so no param-sized gradient is held through the backward pass.
+def _pad_to(x, axis: int, size: int):
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, widths)
+
+
+def _chunked_dot(eqn, invals, chunk: int) -> Optional[list]:
+    """A ``dot_general`` of an activation with one large param (or a transpose/cast of it),
+    computed over slices of the param along one of its free axes, in a loop: each slice is
+    gathered, used and dropped, forward and backward alike."""
+    pos = [i for i, x in enumerate(invals) if isinstance(x, Lazy)]
+    if len(pos) != 1 or len(invals) != 2:
+        return None
+    i = pos[0]
+    lz, x = invals[i], invals[1 - i]
+    if lz.dims is None or not _is_float(x) or not isinstance(x, Tracer):
+        return None
+    base = lz.sources[0]
+    lay = base.lay
+    (contract, batch) = eqn.params["dimension_numbers"]
+    used = set(contract[i]) | set(batch[i])
+    free = [a for a in range(len(lay.shape)) if a != lay.axis and lz.dims[a] not in used]
+    if lay.size <= chunk or not free:
+        return None
+    ca = max(free, key=lambda a: lay.shape[a])
+    k = -(-lay.shape[ca] // max(1, chunk // (lay.size // lay.shape[ca])))
+    if k < 2:
+        return None
+    rows = -(-lay.shape[ca] // k)  # k balanced slices: the last overlaps the one before by < k rows
+    # where the sliced axis lands in the output: batch dims, then lhs free, then rhs free
+    ndims = [len(eqn.invars[0].aval.shape), len(eqn.invars[1].aval.shape)]
+    frees = [[d for d in range(ndims[j]) if d not in contract[j] and d not in batch[j]] for j in (0, 1)]
+    out_axis = len(batch[0]) + (frees[0].index(lz.dims[ca]) if i == 0 else len(frees[0]) + frees[1].index(lz.dims[ca]))
+    shape_c = list(lay.shape)
+    shape_c[ca] = rows
+    lay_c = dataclasses.replace(lay, shape=tuple(shape_c))
+    axis_name = base.axis_name
+
+    def start(j):  # the last slice ends at the param's end, overlapping the one before
+        return jnp.minimum(j * rows, lay.shape[ca] - rows)
+
+    def piece(shard, j, anchor):
+        part = jax.lax.dynamic_slice_in_dim(shard, start(j), rows, axis=ca)
+        return C.gather(_tie(part, anchor), lay_c, axis_name)
+
+    def dot(xv, full):
+        vals = [None, None]
+        vals[i], vals[1 - i] = lz.fn(full), xv
+        return _bind(eqn, vals)[0]
+
+    out_aval = eqn.outvars[0].aval
+
+    # slices are written into whole-size buffers in place; overlapping rows get equal values
+    def forward(shard, xv):
+        def body(j, out):
+            return jax.lax.dynamic_update_slice_in_dim(out, dot(xv, piece(shard, j, None)), start(j), out_axis)
+
+        return jax.lax.fori_loop(0, k, body, jnp.zeros(out_aval.shape, out_aval.dtype))
+
+    @jax.custom_vjp
+    def site(shard, xv):
+        return forward(shard, xv)
+
+    def fwd(shard, xv):
+        return forward(shard, xv), (shard, xv)
+
+    def bwd(res, ct):
+        shard, xv = res
+
+        def body(j, carry):
+            dx, dshard = carry
+            ct_j = jax.lax.dynamic_slice_in_dim(ct, start(j), rows, axis=out_axis)
+            # rows the overlapping last slice shares with the one before were counted there
+            fresh = jnp.arange(rows) + start(j) >= j * rows
+            shape = [1] * ct_j.ndim
+            shape[out_axis] = rows
+            ct_j = jnp.where(fresh.reshape(shape), ct_j, jnp.zeros((), ct_j.dtype))
+            _, vjp = jax.vjp(dot, xv, piece(shard, j, ct_j))
+            dx_j, dfull = vjp(ct_j)
+            part = C.reduce_scatter(dfull, lay_c, axis_name)
+            part = part + jax.lax.dynamic_slice_in_dim(dshard, start(j), rows, axis=ca)
+            return dx + dx_j.astype(dx.dtype), jax.lax.dynamic_update_slice_in_dim(dshard, part, start(j), ca)
+
+        dx0 = jnp.zeros(xv.shape, jnp.promote_types(xv.dtype, jnp.float32))
+        dx, dshard = jax.lax.fori_loop(0, k, body, (dx0, jnp.zeros(shard.shape, shard.dtype)))
+        return dshard, dx.astype(xv.dtype)
+
+    site.defvjp(fwd, bwd)
+    return [site(to_device_memory(base.shard), x)]
+
+
+def _sharded_lookup(eqn, invals) -> Optional[list]:
+    """Rows of a param split along its feature axis (an embedding lookup): every device looks
+    up all devices' ids in its own columns and an all-to-all returns each device its rows; the
+    backward pass sends the row gradients back and scatters them into the local shard. The
+    traffic is activation-sized, and the whole table is neither gathered nor reduced. Used when
+    a device looks up fewer rows than the table has."""
+    op, ids = invals
+    if not isinstance(op, Lazy) or not op.is_param or isinstance(ids, Lazy) or not isinstance(ids, Tracer):
+        return None
+    base = op.sources[0]
+    lay = base.lay
+    dn = eqn.params["dimension_numbers"]
+    sizes = tuple(eqn.params["slice_sizes"])
+    if (getattr(dn, "operand_batching_dims", ()) or lay.axis in dn.collapsed_slice_dims
+            or lay.axis in dn.start_index_map or sizes[lay.axis] != lay.shape[lay.axis]):
+        return None
+    looked_up = math.prod(ids.shape[:-1])
+    if looked_up >= math.prod(lay.shape[d] for d in dn.start_index_map):
+        return None
+    axis_name = base.axis_name
+    kept = [a for a in range(len(lay.shape)) if a not in dn.collapsed_slice_dims]
+    out_axis = dn.offset_dims[kept.index(lay.axis)]
+    local_sizes = list(sizes)
+    local_sizes[lay.axis] = base.shard.shape[lay.axis]
+    params = dict(eqn.params, slice_sizes=tuple(local_sizes))
+
+    def local(shard, all_ids):  # (n, ...) ids -> (n, ...) rows of this device's columns
+        return jax.vmap(lambda j: eqn.primitive.bind(shard, j, **params))(all_ids)
+
+    def forward(shard, all_ids):
+        rows = jax.lax.all_to_all(local(shard, all_ids), axis_name, 0, out_axis + 1, tiled=True)
+        return jax.lax.slice_in_dim(rows[0], 0, lay.shape[lay.axis], axis=out_axis)
+
+    @jax.custom_vjp
+    def site(shard, all_ids):
+        return forward(shard, all_ids)
+
+    def fwd(shard, all_ids):
+        return forward(shard, all_ids), (shard, all_ids)
+
+    def bwd(res, ct):
+        shard, all_ids = res
+        ct = _pad_to(ct, out_axis, lay.padded)[None]
+        parts = jax.lax.all_to_all(ct, axis_name, out_axis + 1, 0, tiled=True)
+        _, vjp = jax.vjp(lambda s: local(s, all_ids), shard)
+        return vjp(parts.astype(shard.dtype))[0], None
+
+    site.defvjp(fwd, bwd)
+    all_ids = jax.lax.all_gather(ids, axis_name)
+    return [site(to_device_memory(base.shard), all_ids)]
+
+
 def _inner(lay: LeafLayout) -> LeafLayout:
     """Layout of one slice along dim 0 of a stacked param (split along a later dim)."""
     return dataclasses.replace(lay, path=lay.path + "[i]", shape=lay.shape[1:], base_spec=lay.base_spec[1:],
@@ -167,9 +339,10 @@ def _anchor(vals):
 
 
 class _Interpreter:
-    def __init__(self, axis_name: str, prefetch: int):
+    def __init__(self, axis_name: str, prefetch: int, chunk: int):
         self.axis_name = axis_name
         self.prefetch = prefetch
+        self.chunk = chunk
         self.prims = primitives()
 
     def base(self, shard, lay: LeafLayout) -> Lazy:
@@ -246,6 +419,14 @@ class _Interpreter:
             return sliced
         if prim.multiple_results or any(not isinstance(x, Lazy) and not _is_literal_like(x) for x in invals):
             self._prefetch(invals, order, anchor)
+            if prim.name == "dot_general":
+                out = _chunked_dot(eqn, invals, self.chunk)
+                if out is not None:
+                    return out
+            if prim.name == "gather":
+                out = _sharded_lookup(eqn, invals)
+                if out is not None:
+                    return out
             return _use_site(lambda vals: _bind(eqn, vals), invals, anchor)
         # params alone (transpose, cast, reshape...): stay lazy, computed at the use site
         bases = []
@@ -260,7 +441,7 @@ class _Interpreter:
                     for x in _invals]
             return _bind(eqn, vals)[0]
 
-        return [Lazy(tuple(bases), fn)]
+        return [Lazy(tuple(bases), fn, _dims_after(eqn, invals))]
 
     def _layer_slice(self, eqn, invals) -> Optional[list]:
         """One layer of a stacked param (dynamic_slice of size 1 on dim 0, then squeeze)."""
@@ -340,7 +521,7 @@ def gathered_loss(loss_fn: Callable, plan: ZeroPlan, takes_rng: bool):
     def loss(shards, mb, key):
         extra = (key,) if takes_rng else ()
         closed, out_shape = jax.make_jaxpr(loss_fn, return_shape=True)(plan.map(whole, shards), mb, *extra)
-        interp = _Interpreter(axis, prefetch)
+        interp = _Interpreter(axis, prefetch, min(prefetch, int(plan.config.max_live_parameters)))
         lazies = plan.map(lambda lay, x: interp.base(x, lay) if lay.params_partitioned else x, shards)
         flat = jax.tree_util.tree_leaves((lazies, mb) + extra, is_leaf=lambda x: isinstance(x, Lazy))
         out = interp.run(closed.jaxpr, closed.consts, flat)

@@ -9,7 +9,7 @@ one sequence of 32 tokens per device. Goal: stage 3 <= 0.20x stage 0, and stage 
 + the activations. The stage-3 runs use DeepSpeed's "auto" prefetch bucket (0.9 * d^2
 elements), so the tied embedding is gathered and reduced in slices, never whole.
 
-    python benchmarks/peak_memory.py [--layers 12] [--seq 128]
+    python benchmarks/peak_memory.py [--layers 12] [--seq 128] [--optimizer sgd]
 """
 import argparse
 
@@ -33,25 +33,27 @@ def main():
     ap.add_argument("--vocab", type=int, default=50257)
     ap.add_argument("--precision", default="fp32")
     ap.add_argument("--no-scan", action="store_true", help="only the Python-loop model")
+    ap.add_argument("--optimizer", default="adamw", choices=("adamw", "sgd"))
     args = ap.parse_args()
     mesh = zj.make_mesh()
     n = mesh.shape["data"]
     mib = 2**20
+    tx = optax.adamw(1e-4) if args.optimizer == "adamw" else optax.sgd(1e-4)
     for scan in (False,) if args.no_scan else (False, True):
         cfg = GPTConfig(vocab=args.vocab, n_layer=args.layers, d_model=args.d, n_head=12, seq_len=args.seq, scan=scan)
         batch = {"tokens": jax.ShapeDtypeStruct((n, cfg.seq_len + 1), np.int32)}
-        print(f"GPT {cfg.n_params / 1e6:.1f}M params, {'lax.scan' if scan else 'Python loop'}, {args.precision}, "
+        print(f"GPT {cfg.n_params / 1e6:.1f}M params, {'lax.scan' if scan else 'Python loop'}, {args.optimizer}, {args.precision}, "
               f"{n} devices, {args.seq} tokens per device")
         print(f"{'stage':>5} {'peak MiB':>9} {'vs stage 0':>10} {'stored MiB':>11} {'temporaries MiB':>16}")
         peaks = {}
         for stage in (0, 1, 2, 3):
             # DeepSpeed's "auto" prefetch bucket: 0.9 * hidden^2 elements
             config = zj.ZeroConfig(stage=stage, precision=args.precision, prefetch_bucket_size=int(0.9 * args.d**2))
-            state = zj.abstract_train_state(lambda k: init_params(cfg, k), optax.adamw(1e-4), mesh=mesh, config=config)
+            state = zj.abstract_train_state(lambda k: init_params(cfg, k), tx, mesh=mesh, config=config)
             step = zj.make_train_step(loss_fn(cfg), state)
             peak = zj.peak_memory(step, state, batch)
             peaks[stage] = peak
-            stored = zj.estimate(jax.eval_shape(lambda k: init_params(cfg, k), jax.random.PRNGKey(0)), mesh, config)
+            stored = zj.estimate(jax.eval_shape(lambda k: init_params(cfg, k), jax.random.PRNGKey(0)), mesh, config, tx=tx)
             print(f"{stage:>5} {peak.peak / mib:>9.1f} {peak.peak / peaks[0].peak:>9.3f}x "
                   f"{stored.max_bytes('device') / mib:>11.1f} {peak.temp / mib:>16.1f}", flush=True)
         d = args.d

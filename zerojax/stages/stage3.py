@@ -183,6 +183,13 @@ def _use_site(op: Callable[[list], list], invals: list, anchor):
 # when its use allows: a matmul gathers it slice by slice, and a row lookup reads only the
 # rows it needs. Both return the gradient of the local shard directly, reduce-scattered slice
 # by slice, so no param-sized gradient is held through the backward pass.
+def _keeping_inputs(forward: Callable, backward: Callable):
+    """``forward`` as a custom-VJP function whose residuals are its own inputs."""
+    f = jax.custom_vjp(forward)
+    f.defvjp(lambda *args: (forward(*args), args), backward)
+    return f
+
+
 def _pad_to(x, axis: int, size: int):
     widths = [(0, 0)] * x.ndim
     widths[axis] = (0, size - x.shape[axis])
@@ -242,13 +249,6 @@ def _chunked_dot(eqn, invals, chunk: int) -> Optional[list]:
 
         return jax.lax.fori_loop(0, k, body, jnp.zeros(out_aval.shape, out_aval.dtype))
 
-    @jax.custom_vjp
-    def site(shard, xv):
-        return forward(shard, xv)
-
-    def fwd(shard, xv):
-        return forward(shard, xv), (shard, xv)
-
     def bwd(res, ct):
         shard, xv = res
 
@@ -270,8 +270,7 @@ def _chunked_dot(eqn, invals, chunk: int) -> Optional[list]:
         dx, dshard = jax.lax.fori_loop(0, k, body, (dx0, jnp.zeros(shard.shape, shard.dtype)))
         return dshard, dx.astype(xv.dtype)
 
-    site.defvjp(fwd, bwd)
-    return [site(to_device_memory(base.shard), x)]
+    return [_keeping_inputs(forward, bwd)(to_device_memory(base.shard), x)]
 
 
 def _sharded_lookup(eqn, invals) -> Optional[list]:
@@ -307,13 +306,6 @@ def _sharded_lookup(eqn, invals) -> Optional[list]:
         rows = jax.lax.all_to_all(local(shard, all_ids), axis_name, 0, out_axis + 1, tiled=True)
         return jax.lax.slice_in_dim(rows[0], 0, lay.shape[lay.axis], axis=out_axis)
 
-    @jax.custom_vjp
-    def site(shard, all_ids):
-        return forward(shard, all_ids)
-
-    def fwd(shard, all_ids):
-        return forward(shard, all_ids), (shard, all_ids)
-
     def bwd(res, ct):
         shard, all_ids = res
         ct = _pad_to(ct, out_axis, lay.padded)[None]
@@ -321,9 +313,8 @@ def _sharded_lookup(eqn, invals) -> Optional[list]:
         _, vjp = jax.vjp(lambda s: local(s, all_ids), shard)
         return vjp(parts.astype(shard.dtype))[0], None
 
-    site.defvjp(fwd, bwd)
     all_ids = jax.lax.all_gather(ids, axis_name)
-    return [site(to_device_memory(base.shard), all_ids)]
+    return [_keeping_inputs(forward, bwd)(to_device_memory(base.shard), all_ids)]
 
 
 def _inner(lay: LeafLayout) -> LeafLayout:

@@ -32,7 +32,9 @@ def logical_params(state):
     ({"select_strategy": "step"}, "select_interval='auto'"),
     ({"select_strategy": "step", "select_interval": 2, "update_interval": 4}, "select_interval=2 is smaller"),
     ({"select_strategy": "often"}, "select_strategy"),
-    ({"topk": 0.1}, "unknown keys"),
+    ({"select_strategy": "epoch", "select_interval": 1, "update_interval": 4}, "select_interval=1 is smaller"),
+    ({"select_interval": 0}, "select_interval=0"),
+    ({"topk": 0.1}, "Unknown key"),
 ])
 def test_bad_zenflow_settings(block, match):
     with pytest.raises(zj.ConfigError, match=match):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import difflib
 import math
 import sys
+from typing import Optional
 
 from zerojax.config import ConfigError
 
@@ -261,22 +262,29 @@ def _zero_fields(zo, ignored: list) -> dict:
                 pin_memory=pin, offload_ratio=opt["ratio"], zenflow=zenflow)
 
 
-def _zenflow(block, offload_device: str, ignored: list) -> dict:
-    path = "zero_optimization.zenflow"
-    z = _read_block(block, _ZENFLOW, {}, path, ignored)
+def zenflow_block(block, path: str = "zenflow", ignored: Optional[list] = None) -> dict:
+    """A zenflow block with every key filled in, checked by DeepSpeed's rules; the one check
+    behind both ``ZeroConfig(zenflow=...)`` and a DeepSpeed file's block."""
+    z = _read_block(block, _ZENFLOW, {}, path, [] if ignored is None else ignored)
     sel, upd = z["select_interval"], z["update_interval"]
-    if offload_device != "cpu":
-        raise ConfigError(f"{path} needs zero_optimization.offload_optimizer.device 'cpu' (got {offload_device!r}). "
-                          'Fix: add "offload_optimizer": {"device": "cpu"}')
     if z["select_strategy"] != "auto" and sel == "auto":
         raise ConfigError(f"{path}.select_interval='auto' only works with select_strategy 'auto' (got "
                           f"{z['select_strategy']!r}). Fix: give select_interval a number of steps")
-    if upd != "auto" and upd < 1:
-        raise ConfigError(f"{path}.update_interval={upd} is invalid: expected an integer >= 1. Fix: use 4")
+    for key, v in (("update_interval", upd), ("select_interval", sel)):
+        if v != "auto" and v < 1:
+            raise ConfigError(f"{path}.{key}={v} is invalid: expected an integer >= 1. Fix: use 4")
     if sel != "auto" and upd != "auto" and sel < upd:
         raise ConfigError(f"{path}.select_interval={sel} is smaller than update_interval={upd}: columns must "
                           "stay selected for at least one host update. Fix: make select_interval >= update_interval")
     return z
+
+
+def _zenflow(block, offload_device: str, ignored: list) -> dict:
+    path = "zero_optimization.zenflow"
+    if offload_device != "cpu":
+        raise ConfigError(f"{path} needs zero_optimization.offload_optimizer.device 'cpu' (got {offload_device!r}). "
+                          'Fix: add "offload_optimizer": {"device": "cpu"}')
+    return zenflow_block(block, path, ignored)
 
 
 def _precision_fields(cfg: dict, ignored: list) -> dict:

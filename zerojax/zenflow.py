@@ -51,17 +51,13 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from zerojax._ds_checks import zenflow_block
 from zerojax.config import ConfigError
 from zerojax.offload.host_adam import FlatLayout, HostAdamW, host_zeros
 from zerojax.precision import global_norm
 from zerojax.state import TrainState
 
 AUTO_MAX_INTERVAL = 64  # "auto" fires at least this often
-DEFAULTS = {"topk_ratio": 0.1, "select_strategy": "auto", "select_interval": "auto", "update_interval": "auto",
-            "overlap_step": False, "offload": False, "auto_ratio": 0.99, "full_warm_up_rounds": 0,
-            "pt_reserved_cores_perc": 0.5}
-
-
 def _accumulate(acc: np.ndarray, g: np.ndarray) -> None:
     """``acc += g`` in fp32, in place. bfloat16 is widened by a bit shift (exact, and far faster
     than a generic dtype cast)."""
@@ -73,32 +69,9 @@ def _accumulate(acc: np.ndarray, g: np.ndarray) -> None:
 
 
 def zenflow_settings(block: Optional[dict]) -> dict:
-    """The zenflow block with defaults filled in and checked (the same rules as the DeepSpeed config)."""
-    z = dict(DEFAULTS, **(block or {}))
-    unknown = sorted(set(z) - set(DEFAULTS))
-    if unknown:
-        raise ConfigError(f"zenflow has unknown keys {unknown}; the keys are {sorted(DEFAULTS)}")
-    k = z["topk_ratio"]
-    if isinstance(k, bool) or not isinstance(k, (int, float)) or not 0 < k < 1:
-        raise ConfigError(f"zenflow.topk_ratio={k!r} must be a fraction strictly between 0 and 1. Fix: use 0.1")
-    for key in ("update_interval", "select_interval"):
-        v = z[key]
-        if v != "auto" and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-            raise ConfigError(f"zenflow.{key}={v!r} must be 'auto' or an integer >= 1. Fix: use 4")
-    if z["select_strategy"] not in ("auto", "step", "epoch"):
-        raise ConfigError(f"zenflow.select_strategy={z['select_strategy']!r} must be 'auto', 'step' or 'epoch'")
-    if z["select_strategy"] != "auto" and z["select_interval"] == "auto":
-        raise ConfigError("zenflow.select_interval='auto' only works with select_strategy 'auto'. "
-                          "Fix: give select_interval a number")
-    sel, upd = z["select_interval"], z["update_interval"]
-    if z["select_strategy"] == "step" and sel != "auto" and upd != "auto" and sel < upd:
-        raise ConfigError(f"zenflow.select_interval={sel} is smaller than update_interval={upd}. "
-                          "Fix: make select_interval >= update_interval")
-    if not 0 < z["auto_ratio"] <= 1:
-        raise ConfigError(f"zenflow.auto_ratio={z['auto_ratio']!r} must be in (0, 1]. Fix: use 0.99")
-    if not isinstance(z["full_warm_up_rounds"], int) or z["full_warm_up_rounds"] < 0:
-        raise ConfigError(f"zenflow.full_warm_up_rounds={z['full_warm_up_rounds']!r} must be an integer >= 0")
-    return z
+    """The zenflow block with defaults filled in and checked (DeepSpeed's rules, as for a
+    DeepSpeed config file)."""
+    return zenflow_block({} if block is None else block)
 
 
 def adamw_hyperparams(state: TrainState) -> dict:

@@ -216,7 +216,7 @@ def _gpt_step(cfg, params_or_init, tx, batch_size, **config):
 
 @pytest.mark.parametrize("scan", [False, True], ids=["python_loop", "scan"])
 def test_tied_table_larger_than_a_fetch_is_never_whole_and_matches_plain_sgd(scan):
-    # 4001 x 64 tied embedding; max_live_parameters=20000 slices it into 13 pieces of 312 rows
+    # 4001 x 64 tied embedding; max_live_parameters=20000 slices it into 13 pieces of 308 rows
     cfg = GPTConfig(vocab=4001, n_layer=2, d_model=64, n_head=4, seq_len=8, scan=scan)
     table = cfg.vocab * cfg.d_model * 4
     batch = {"tokens": jax.ShapeDtypeStruct((8, 9), np.int32)}

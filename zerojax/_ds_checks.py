@@ -141,7 +141,7 @@ _ZERO = {
     "overlap_comm": (None, _bool),
     "prefetch_bucket_size": (50_000_000, _int(1)),
     "param_persistence_threshold": (100_000, _int(0)),
-    "max_live_parameters": (1_000_000_000, _int(0)),
+    "max_live_parameters": (1_000_000_000, _int(1)),
     "max_reuse_distance": (1_000_000_000, _int(0)),
     "gather_16bit_weights_on_model_save": (False, _bool),
     "sub_group_size": (1_000_000_000, _int(1)),

@@ -116,7 +116,8 @@ def _validate(c: ZeroConfig) -> None:
                    "set it to the number of micro-batches per optimizer step")
     if c.gradient_clipping < 0:
         raise _err("gradient_clipping", c.gradient_clipping, "a float >= 0 (0 disables clipping)", "use 0 or a positive norm")
-    for key in ("reduce_bucket_size", "allgather_bucket_size", "prefetch_bucket_size", "sub_group_size"):
+    for key in ("reduce_bucket_size", "allgather_bucket_size", "prefetch_bucket_size", "max_live_parameters",
+                "sub_group_size"):
         if getattr(c, key) < 1:
             raise _err(key, getattr(c, key), "a positive number of elements", "use e.g. 5e8")
     if c.param_persistence_threshold < 0:

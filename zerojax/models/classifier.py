@@ -230,15 +230,7 @@ def config_of(backbone) -> GPTConfig:
 
 def hidden_states(backbone, tokens):
     """tokens int[B, T] -> the final layer-normed hidden states [B, T, d_model]."""
-    cfg = config_of(backbone)
-    dtype = backbone["wte"].dtype
-    x = backbone["wte"][tokens] + backbone["wpe"][:tokens.shape[1]].astype(dtype)
-    if cfg.scan:
-        x, _ = jax.lax.scan(lambda x, p: (gpt._block(cfg, x, p), None), x, backbone["blocks"])
-    else:
-        for p in backbone["blocks"]:
-            x = gpt._block(cfg, x, p)
-    return gpt._layer_norm(x, backbone["ln_f"])
+    return gpt.hidden_states(config_of(backbone), backbone, tokens)
 
 
 def logits(params, batch):
@@ -288,9 +280,14 @@ def init_classifier(backbone, num_classes: int, rng) -> dict:
 
 
 # ------------------------------------------------------------------------------ pretraining
+def _warmup_cosine(total_steps: int, learning_rate: float):
+    """Linear warmup over the first tenth of ``total_steps``, cosine decay to a tenth of the peak."""
+    return optax.warmup_cosine_decay_schedule(0.0, learning_rate, max(1, total_steps // 10), total_steps,
+                                              learning_rate / 10)
+
+
 def _pretrain(cfg: GPTConfig, data: np.ndarray, steps: int, seed: int, batch: int, lr: float):
-    tx = optax.adamw(optax.warmup_cosine_decay_schedule(0.0, lr, max(1, steps // 10), steps, lr / 10),
-                     weight_decay=0.1)
+    tx = optax.adamw(_warmup_cosine(steps, lr), weight_decay=0.1)
     loss = gpt.loss_fn(cfg)
 
     @jax.jit
@@ -364,9 +361,8 @@ def steps_per_epoch(data: Data, batch_size: int) -> int:
 def adamw(total_steps: int, learning_rate: float = LEARNING_RATE) -> optax.GradientTransformation:
     """The fine-tuning baseline: AdamW (weight decay 0.01) with a linear warmup over the first tenth
     of ``total_steps`` and a cosine decay to a tenth of ``learning_rate``."""
-    schedule = optax.warmup_cosine_decay_schedule(0.0, learning_rate, max(1, total_steps // 10), total_steps,
-                                                  learning_rate / 10)
-    return optax.inject_hyperparams(optax.adamw)(learning_rate=schedule, weight_decay=0.01)
+    return optax.inject_hyperparams(optax.adamw)(learning_rate=_warmup_cosine(total_steps, learning_rate),
+                                                 weight_decay=0.01)
 
 
 def finetune(params, train: Data, tx, *, mesh, config, epochs: int = EPOCHS, batch_size: int = BATCH_SIZE,

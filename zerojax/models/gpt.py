@@ -95,8 +95,8 @@ def _block(cfg: GPTConfig, x, p):
     return x + _dense(m, p["mlp"]["proj"])
 
 
-def forward(cfg: GPTConfig, params, tokens):
-    """tokens int[B, T] -> logits float32[B, T, vocab]; dtype follows the params."""
+def hidden_states(cfg: GPTConfig, params, tokens):
+    """tokens int[B, T] -> the final layer-normed hidden states [B, T, d_model]."""
     t = tokens.shape[1]
     dtype = params["wte"].dtype
     x = params["wte"][tokens] + params["wpe"][:t].astype(dtype)
@@ -105,7 +105,12 @@ def forward(cfg: GPTConfig, params, tokens):
     else:
         for p in params["blocks"]:
             x = _block(cfg, x, p)
-    x = _layer_norm(x, params["ln_f"])
+    return _layer_norm(x, params["ln_f"])
+
+
+def forward(cfg: GPTConfig, params, tokens):
+    """tokens int[B, T] -> logits float32[B, T, vocab]; dtype follows the params."""
+    x = hidden_states(cfg, params, tokens)
     return (x @ params["wte"].T.astype(x.dtype)).astype(jnp.float32)
 
 

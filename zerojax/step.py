@@ -268,7 +268,8 @@ def fused_adamw_update(plan: ZeroPlan, tx, master, opt_state, grads, block_size:
     return params_c, master, new_state
 
 
-def _update_fn(loss_fn: Callable, plan: ZeroPlan, tx, has_aux: bool, fused_adam=None, fused_block: int = 4096):
+def _update_fn(loss_fn: Callable, plan: ZeroPlan, tx, has_aux: bool, fused_adam: bool = False,
+               fused_block: int = 4096):
     cfg = plan.config
     scaler = cfg.loss_scaler
     fp16 = cfg.precision == "fp16"
@@ -291,7 +292,6 @@ def _update_fn(loss_fn: Callable, plan: ZeroPlan, tx, has_aux: bool, fused_adam=
                               new_params)
         return params_from_master(plan, new_params), master, opt_state
 
-    fused = bool(fused_adam)
 
     def on_device(state, grads, skip):
         # offloaded state is fetched from host memory for the update and put back after it
@@ -300,7 +300,7 @@ def _update_fn(loss_fn: Callable, plan: ZeroPlan, tx, has_aux: bool, fused_adam=
                               opt_state=plan.fetch(state.opt_state, homes.opt_state))
 
         def apply(_):
-            if fused:
+            if fused_adam:
                 params_c, master, opt_state = fused_adamw_update(plan, tx, master_view(plan, state),
                                                                  state.opt_state, grads, fused_block)
                 return params_from_master(plan, params_c), (master if plan.has_master else None), opt_state
@@ -463,7 +463,7 @@ def compiler_options(plan: ZeroPlan, platform: str):
 
 
 def make_train_step(loss_fn: Callable, state: TrainState, *, has_aux: bool = False, donate: bool = True,
-                    check_errors: bool = True, fused_adam: bool | None = None,
+                    check_errors: bool = True, fused_adam: bool = False,
                     fused_block_size: int = 4096) -> TrainStep:
     """Build the jitted step for ``state``'s plan.
 
@@ -488,12 +488,10 @@ def make_train_step(loss_fn: Callable, state: TrainState, *, has_aux: bool = Fal
         from zerojax.offload.engine import HostLoopStep
 
         return HostLoopStep(loss_fn, state, has_aux, store="nvme", check_errors=check_errors)
-    fusable = _fused_adam_ok(state.opt_state)
-    if fused_adam and not fusable:
+    # opt-in until the kernel's Triton lowering is measured inside the step on a GPU
+    if fused_adam and not _fused_adam_ok(state.opt_state):
         raise ValueError("fused_adam=True needs tx=optax.inject_hyperparams(optax.adamw)(...) with no mask and "
                          "eps_root=0: the fused kernel updates AdamW's moments in place.")
-    if fused_adam is None:  # opt-in until the kernel's Triton lowering is measured inside the step on a GPU
-        fused_adam = False
     fn = _update_fn(loss_fn, plan, state.tx, has_aux, fused_adam, fused_block_size)
     shardings = state.shardings
     batch_sharding = NamedSharding(plan.mesh, P(plan.data_axis))

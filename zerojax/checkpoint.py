@@ -137,7 +137,7 @@ def logical_tree(state: TrainState):
     plan = state.plan
     homes = state_shardings(plan, state.tx)
     # the fp32 master when the state has one (not when the step keeps it: NVMe, ZenFlow)
-    with_master = plan.has_master and state.master is not None
+    with_master = state.master is not None
     src, src_homes = (state.master, homes.master) if with_master else (state.params, homes.params)
     opt = _opt_entries(plan, state.opt_state)
     opt_homes = jax.tree_util.tree_leaves(homes.opt_state)
@@ -261,7 +261,7 @@ def _relayout(restored: dict, target: TrainState, opt, homes):
                 sums["opt_state/" + path] = _checksum(x)
             opt_leaves.append(x.astype(dt))
         params = plan.treedef.unflatten(params)
-        master = plan.treedef.unflatten(master) if plan.has_master and target.master is not None else None
+        master = plan.treedef.unflatten(master) if target.master is not None else None
         opt_state = jax.tree_util.tree_structure(target.opt_state).unflatten(opt_leaves)
         scaler = type(target.loss_scale)(**loss_scale)
         return (step, params, master, opt_state, scaler, rng), sums

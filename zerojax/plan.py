@@ -236,6 +236,12 @@ class ZeroPlan:
         return self.config.offload_optimizer == "nvme" or bool(self.config.zenflow)
 
     @property
+    def state_has_master(self) -> bool:
+        """Whether a TrainState of this plan carries an fp32 master (16-bit params, and the
+        optimizer state not kept by the step itself)."""
+        return self.has_master and not self.optimizer_state_outside
+
+    @property
     def host_update(self) -> bool:
         """Whether the optimizer update runs on the host (ZeRO-Offload), not the device."""
         return self.config.offload_optimizer == "cpu"

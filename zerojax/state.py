@@ -58,7 +58,7 @@ def state_shardings(plan: ZeroPlan, tx) -> TrainState:
     return TrainState(
         step=rep,
         params=plan.param_shardings,
-        master=plan.master_shardings if plan.has_master and not outside else None,
+        master=plan.master_shardings if plan.state_has_master else None,
         opt_state=None if outside else plan.opt_state_shardings(jax.eval_shape(tx.init, plan.abstract_master())),
         loss_scale=scaler,
         rng=rep,
@@ -74,10 +74,11 @@ def _build_fn(plan: ZeroPlan, tx):
     def build(full):
         params = plan.map(lambda lay, x: plan.pad(x.astype(cdt), lay) if lay.params_partitioned else x.astype(cdt), full)
         if plan.optimizer_state_outside:  # the step creates the state (files, ZenFlow's buffers)
-            return jax.tree_util.tree_map(lambda x: jnp.array(x, copy=True), (params, None, None))
-        master = plan.map(lambda lay, x: x.astype(jnp.float32), full)
-        opt_state = plan.opt_to_storage(tx.init(master))
-        out = (params, plan.to_storage(master) if plan.has_master else None, opt_state)
+            out = (params, None, None)
+        else:
+            master = plan.map(lambda lay, x: x.astype(jnp.float32), full)
+            opt_state = plan.opt_to_storage(tx.init(master))
+            out = (params, plan.to_storage(master) if plan.state_has_master else None, opt_state)
         # fresh buffers: the caller's arrays must survive the steps, which donate the state
         return jax.tree_util.tree_map(lambda x: jnp.array(x, copy=True), out)
 
@@ -172,7 +173,7 @@ def abstract_train_state(params_or_init, tx: optax.GradientTransformation, *, me
 def unshard_params(state: TrainState, dtype=None):
     """Logical params (unpadded) gathered by XLA; dtype defaults to the user's original dtypes."""
     plan = state.plan
-    master_layout = plan.has_master and state.master is not None  # (nvme: the master is in files)
+    master_layout = state.master is not None  # (fp32: no master; nvme, zenflow: the step keeps it)
     src = state.master if master_layout else state.params
 
     def one(lay, x):

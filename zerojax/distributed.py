@@ -110,11 +110,16 @@ def _require(env: Mapping[str, str], names, source: str, hint: str) -> None:
                                f"(found {present or 'none of the others'}). {hint}")
 
 
-def _address(text: str, name: str) -> str:
-    host, sep, port = text.strip().rpartition(":")
+def split_address(text: str, name: str) -> tuple[str, str]:
+    """``host:port`` -> (host, port); a DistributedError naming ``name`` when it is not one."""
+    host, sep, port = text.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise DistributedError(f"{name}={text!r} is not an address: write host:port, e.g. 10.0.0.1:29500")
-    return f"{host}:{port}"
+    return host, port
+
+
+def _address(text: str, name: str) -> str:
+    return ":".join(split_address(text.strip(), name))
 
 
 def _check_rank(source: str, rank_name: str, rank: int, size_name: str, size: int) -> None:
@@ -188,7 +193,7 @@ def _configure_devices(spec: ProcessEnv) -> None:
 
 def _wait_for_coordinator(spec: ProcessEnv, deadline: float, timeout: float) -> None:
     """Poll the coordinator's port (jax would abort the process, without a word, when it is not there)."""
-    host, _, port = spec.coordinator.rpartition(":")
+    host, port = split_address(spec.coordinator, "coordinator")
     host = host.strip("[]")
     error: Exception | None = None
     while True:

@@ -49,6 +49,8 @@ from zerojax.distributed import (
     LOCAL_RANK,
     NUM_PROCESSES,
     PROCESS_ID,
+    DistributedError,
+    split_address,
 )
 
 LOCAL_WORLD_SIZE = "ZEROJAX_LOCAL_WORLD_SIZE"
@@ -141,9 +143,10 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def _check_address(text: str) -> str:
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise LaunchError(f"--coordinator {text!r} is not an address: write HOST:PORT, e.g. 10.0.0.1:29500")
+    try:
+        split_address(text, "--coordinator")
+    except DistributedError:
+        raise LaunchError(f"--coordinator {text!r} is not an address: write HOST:PORT, e.g. 10.0.0.1:29500") from None
     return text
 
 

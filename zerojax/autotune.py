@@ -54,7 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from zerojax.config import ConfigError, ZeroConfig
-from zerojax.planning import Ref, StepPlan, gpt_sizes, plan_step, resolve
+from zerojax.planning import Ref, StepPlan, gpt_sizes, named_gpt, plan_step, resolve
 
 # ``python -m zerojax.autotune`` runs this module as __main__ after ``import zerojax`` has imported it
 # once (the package exports ``autotune``); runpy warns about exactly that, harmlessly here
@@ -326,11 +326,8 @@ def _named_model(model: str, seq_len: Optional[int]):
     if model not in sizes:
         raise ConfigError(f"model={model!r} is not a named model: choose one of {sorted(sizes)} or pass "
                           "init_fn, loss_fn and batch_fn")
-    from zerojax.models import gpt
-
-    cfg = sizes[model] if seq_len is None else dataclasses.replace(sizes[model], seq_len=seq_len)
-    return (functools.partial(gpt.init_params, cfg), Ref("zerojax.models.gpt:loss_fn", cfg),
-            functools.partial(_token_batch, cfg.seq_len + 1))
+    cfg, init_fn, loss_fn = named_gpt(model, seq_len)
+    return init_fn, loss_fn, functools.partial(_token_batch, cfg.seq_len + 1)
 
 
 def _token_batch(length: int, micro_batch: int):
@@ -402,7 +399,7 @@ class _Search:
         batch = _global_batch(self.batch_fn(row.micro_batch), rows)
         self.log(f"autotune: compiling stage {row.stage}, offload {row.offload}, micro-batch {row.micro_batch} "
                  f"x GAS {row.gradient_accumulation_steps} on {self.devices} devices ...")
-        plan = plan_step(self.init_fn, self.loss_fn, batch, devices=self.devices, config=row.config, tx=self.tx,
+        plan = plan_step(self.shapes, self.loss_fn, batch, devices=self.devices, config=row.config, tx=self.tx,
                          param_specs=self.param_specs, has_aux=self.has_aux, timeout=self.timeout)
         self.compilations += 1
         row.plan, row.peak_bytes, row.host_bytes = plan, _device_peak(plan), plan.stored_host_bytes

@@ -127,20 +127,14 @@ def _add_estimate_memory(sub) -> None:
 
 
 def _run_plan_step(args: argparse.Namespace) -> int:
-    import dataclasses as dc
-    import functools
-
     import jax
     import jax.numpy as jnp
 
     from zerojax.config import ZeroConfig
     from zerojax.estimate import zero_paper_bytes
-    from zerojax.models import gpt
-    from zerojax.planning import Ref, gpt_sizes, plan_step
+    from zerojax.planning import Ref, named_gpt, plan_step
 
-    cfg = gpt_sizes()[args.model]
-    if args.seq_len:
-        cfg = dc.replace(cfg, seq_len=args.seq_len)
+    cfg, init_fn, loss_fn = named_gpt(args.model, args.seq_len)
     config = ZeroConfig(stage=args.stage, precision=args.precision, gradient_accumulation_steps=args.gas)
     rows = args.devices * args.gas * args.micro_batch
     batch = {"tokens": jax.ShapeDtypeStruct((rows, cfg.seq_len + 1), jnp.int32)}
@@ -148,8 +142,7 @@ def _run_plan_step(args: argparse.Namespace) -> int:
           f"stage {args.stage}, {args.precision}, micro-batch {args.micro_batch} x GAS {args.gas} per device",
           flush=True)
     try:
-        plan = plan_step(functools.partial(gpt.init_params, cfg), Ref("zerojax.models.gpt:loss_fn", cfg), batch,
-                         devices=args.devices, config=config, tx=Ref("optax:adamw", 1e-4))
+        plan = plan_step(init_fn, loss_fn, batch, devices=args.devices, config=config, tx=Ref("optax:adamw", 1e-4))
     except RuntimeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -161,9 +154,11 @@ def _run_plan_step(args: argparse.Namespace) -> int:
 
 
 def _add_plan_step(sub) -> None:
+    from zerojax.planning import gpt_sizes
+
     p = sub.add_parser("step", help="compile a GPT train step for N (simulated) devices and print its "
                                     "per-device peak, stored state and collectives")
-    p.add_argument("--model", required=True, choices=["gpt2-small", "gpt-1.3b", "gpt-7b", "gpt-70b"])
+    p.add_argument("--model", required=True, choices=sorted(gpt_sizes()))
     p.add_argument("--devices", type=_positive_int, required=True, help="data-parallel devices N")
     p.add_argument("--stage", type=int, default=3, choices=[0, 1, 2, 3])
     p.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32"])

@@ -58,6 +58,19 @@ def gpt_sizes():
     }
 
 
+def named_gpt(model: str, seq_len: Optional[int] = None):
+    """``(cfg, init_fn, loss_fn)`` of a :func:`gpt_sizes` model (``seq_len`` overrides its
+    sequence length); both functions pickle, so :func:`plan_step` can compile them in a child."""
+    import functools
+
+    from zerojax.models import gpt
+
+    cfg = gpt_sizes()[model]
+    if seq_len is not None:
+        cfg = dataclasses.replace(cfg, seq_len=seq_len)
+    return cfg, functools.partial(gpt.init_params, cfg), Ref("zerojax.models.gpt:loss_fn", cfg)
+
+
 def _import(target: str):
     module, sep, name = target.partition(":")
     if not sep or not module or not name:

@@ -228,6 +228,7 @@ class ZenFlowStep:
         plan, cdt, mat, vec = self.plan, self.cdt, self.mat, self.vec
         compute_grads = grads_fn(loss_fn, plan, has_aux)
         tx, topk, clip = self.dev_tx, self.topk, plan.config.gradient_clipping
+        masses = self.interval == "auto"
         f32 = jnp.float32
         rep = NamedSharding(plan.mesh, P())
 
@@ -269,12 +270,15 @@ class ZenFlowStep:
             vec_master = descend(dev["vec"], upd, lr)
             for i, x in zip(vec, vec_master):
                 out[i] = x.astype(cdt)
-            imp = jnp.stack([jnp.sum(jnp.abs(x)) for x in g_sel]) if mat else jnp.zeros((0,))
-            tot = jnp.stack([jnp.sum(jnp.abs(g[i])) for i in mat]) if mat else jnp.zeros((0,))
+            metrics = {"loss": loss, "grad_norm": norm}
+            if masses:  # Zen-auto's gradient masses: two passes over the gradients, only when read
+                imp = jnp.stack([jnp.sum(jnp.abs(x)) for x in g_sel]) if mat else jnp.zeros((0,))
+                tot = jnp.stack([jnp.sum(jnp.abs(g[i])) for i in mat]) if mat else jnp.zeros((0,))
+                metrics.update(imp=imp, unimp=tot - imp)
             new_params = plan.params_stored(out)
             dev = {"idx": idx, "sel": sel, "sel_opt": sel_opt, "vec": vec_master, "vec_opt": vec_opt}
             host_grads = [g[i].astype(cdt) for i in mat]
-            return new_params, dev, host_grads, {"loss": loss, "grad_norm": norm, "imp": imp, "unimp": tot - imp}
+            return new_params, dev, host_grads, metrics
 
         def merge(params, host_params, idx, keep_selected: bool):
             leaves = plan.params_logical(params)

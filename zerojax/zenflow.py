@@ -221,8 +221,7 @@ class ZenFlowStep:
     def _master_from(self, params) -> None:
         """The host master of the 2-D weights := the device's params (widened to fp32)."""
         logical = self.plan.params_logical(params)
-        for view, i in zip(self.layout.views(self.master), self.mat):
-            np.copyto(view, np.asarray(logical[i]), casting="same_kind")
+        self.layout.fill(self.master, [logical[i] for i in self.mat])
 
     def _build(self, loss_fn, has_aux, grads_fn, clip_coefficient):
         plan, cdt, mat, vec = self.plan, self.cdt, self.mat, self.vec
@@ -391,8 +390,7 @@ class ZenFlowStep:
         if reselect:
             # no gradient is dropped: pending and accumulated ones are applied first, then the
             # host master is re-synced from the device weights and the device moments restart
-            params = self._wait_pending(params)
-            params = self._launch(params, sync=True)
+            params = self._launch(params, sync=True)  # waits for the pending update first
             self._drain()
             self.cur = 0
             self._master_from(params)
@@ -442,7 +440,7 @@ class ZenFlowStep:
     def finish(self, state: TrainState) -> TrainState:
         """Wait for the host, apply every accumulated gradient, and return the up-to-date state
         (call before evaluating or saving a checkpoint)."""
-        params = self._launch(self._wait_pending(state.params), sync=True)
+        params = self._launch(state.params, sync=True)  # waits for the pending update first
         self._drain()
         self.reflected = self.steps
         return state.replace(params=params)

@@ -87,7 +87,7 @@ class HostLoopStep:
         self.grads = np.empty(n, jnp.dtype(self.cdt))
         self.out16 = np.empty(n, jnp.dtype(self.cdt)) if self.cdt != jnp.float32 else None
         self.count = 0
-        self.store.init(self._flat(plan.params_logical(state.params), np.empty(n, np.float32)))
+        self.store.init(self.layout.fill(np.empty(n, np.float32), plan.params_logical(state.params)))
         compute_grads = grads_fn(loss_fn, plan, has_aux)
         clip = cfg.gradient_clipping
         from zerojax.precision import global_norm, tree_all_finite
@@ -107,11 +107,6 @@ class HostLoopStep:
         self._device = jax.jit(device)
         self._place = jax.jit(place, out_shardings=plan.param_shardings)
 
-    def _flat(self, leaves, out: np.ndarray) -> np.ndarray:
-        for view, x in zip(self.layout.views(out), leaves):
-            np.copyto(view, np.asarray(x), casting="same_kind")
-        return out
-
     def __call__(self, state: TrainState, batch):
         from zerojax.step import NON_FINITE, OK, NonFiniteError, check_batch
 
@@ -123,7 +118,7 @@ class HostLoopStep:
         skip = not finite and (self.cfg.precision != "bf16" or self.cfg.check_grad_overflow)
         lr = float("nan")
         if not skip:
-            self._flat(grads, self.grads)
+            self.layout.fill(self.grads, grads)
             self.count += 1
             lr = self.lr.next()
             # a failed write raises NvmeError here; the store keeps its last committed step and

@@ -618,6 +618,12 @@ class FlatLayout:
                              f"flat buffer of {self.total} elements (got {flat.size}).")
         return self.treedef.unflatten([self._leaf(flat, shape, off) for shape, off in zip(self.shapes, self.offsets)])
 
+    def fill(self, flat: np.ndarray, leaves) -> np.ndarray:
+        """Copies ``leaves`` (flatten order) into ``flat`` through :meth:`views`; returns ``flat``."""
+        for view, leaf in zip(jax.tree.leaves(self.views(flat)), leaves):
+            np.copyto(view, np.asarray(leaf), casting="same_kind")
+        return flat
+
     @property
     def total(self) -> int:
         return sum(self.sizes.values())

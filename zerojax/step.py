@@ -45,24 +45,20 @@ class NonFiniteError(FloatingPointError):
     """fp32 training met an inf/nan loss or gradient; the state was left unchanged."""
 
 
+def find_hyperparams(opt_state):
+    """The first ``optax.inject_hyperparams`` record (with a learning rate) in ``opt_state``, else None."""
+    hp = getattr(opt_state, "hyperparams", None)
+    if isinstance(hp, dict) and "learning_rate" in hp:
+        return hp
+    children = opt_state if isinstance(opt_state, (tuple, list)) else (
+        opt_state.values() if isinstance(opt_state, dict) else ())
+    return next((found for found in map(find_hyperparams, children) if found is not None), None)
+
+
 def find_learning_rate(opt_state):
     """The learning rate recorded by ``optax.inject_hyperparams`` in ``opt_state``, else nan."""
-    found = []
-
-    def visit(x):
-        hp = getattr(x, "hyperparams", None)
-        if isinstance(hp, dict) and "learning_rate" in hp:
-            found.append(hp["learning_rate"])
-            return
-        if isinstance(x, (tuple, list)):
-            for y in x:
-                visit(y)
-        elif isinstance(x, dict):
-            for y in x.values():
-                visit(y)
-
-    visit(opt_state)
-    return jnp.asarray(found[0], jnp.float32) if found else jnp.float32(jnp.nan)
+    hp = find_hyperparams(opt_state)
+    return jnp.float32(jnp.nan) if hp is None else jnp.asarray(hp["learning_rate"], jnp.float32)
 
 
 def _loss_arity(loss_fn) -> int:

@@ -56,6 +56,7 @@ from zerojax.config import ConfigError
 from zerojax.offload.host_adam import FlatLayout, HostAdamW, host_zeros
 from zerojax.precision import global_norm
 from zerojax.state import TrainState
+from zerojax.step import find_hyperparams
 
 AUTO_MAX_INTERVAL = 64  # "auto" fires at least this often
 def _accumulate(acc: np.ndarray, g: np.ndarray) -> None:
@@ -86,9 +87,8 @@ def adamw_hyperparams(state: TrainState) -> dict:
         b1, b2 = p.get("betas", (0.9, 0.999))
         return {"lr": float(p.get("lr", 1e-3)), "b1": float(b1), "b2": float(b2), "eps": float(p.get("eps", 1e-8)),
                 "weight_decay": float(p.get("weight_decay", 0.0))}
-    # the state's optimizer state, or (when it lives in files) a fresh one of a dummy param
-    opt_state = state.opt_state if state.opt_state is not None else state.tx.init(jnp.zeros((1,), jnp.float32))
-    found = _hyperparams(opt_state)
+    # the step keeps the optimizer state itself (ZenFlow, NVMe): read a fresh one of a dummy param
+    found = find_hyperparams(state.tx.init(jnp.zeros((1,), jnp.float32)))
     if found is None:
         raise ConfigError(
             "this step runs AdamW on the host (zenflow, offload_optimizer='nvme') and needs its settings: build the state with "
@@ -111,7 +111,7 @@ class LearningRate:
                 shadow = state.tx.init(jnp.zeros((1,), jnp.float32))
             except Exception:  # noqa: BLE001 - an optimizer that cannot init a tiny tree: constant
                 shadow = None
-            if _hyperparams(shadow) is not None:
+            if find_hyperparams(shadow) is not None:
                 self._shadow = shadow
                 zero = jnp.zeros((1,), jnp.float32)
                 self._advance = jax.jit(lambda s: state.tx.update(zero, s, zero)[1])
@@ -121,16 +121,7 @@ class LearningRate:
         if self._shadow is None:
             return self.constant
         self._shadow = self._advance(self._shadow)
-        return float(_hyperparams(self._shadow)["learning_rate"])
-
-
-def _hyperparams(opt_state):
-    if opt_state is None:
-        return None
-    for leaf in jax.tree_util.tree_leaves(opt_state, is_leaf=lambda x: hasattr(x, "hyperparams")):
-        if hasattr(leaf, "hyperparams") and "learning_rate" in leaf.hyperparams:
-            return leaf.hyperparams
-    return None
+        return float(find_hyperparams(self._shadow)["learning_rate"])
 
 
 class ZenFlowStep:

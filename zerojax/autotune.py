@@ -285,11 +285,6 @@ Fix, cheapest first:
 {fixes}"""
 
 
-def _device_peak(plan: StepPlan) -> int:
-    # the CPU compiler places host-memory arguments in its one address space (module docstring)
-    return plan.peak_bytes - plan.stored_host_bytes if plan.platform == "cpu" else plan.peak_bytes
-
-
 def _default_budget() -> int:
     try:
         stats = jax.devices()[0].memory_stats()
@@ -374,6 +369,11 @@ def _check_choices(stages, offloads, micro_batches) -> Tuple[tuple, tuple, tuple
     return stages, offloads, mbs
 
 
+def _exceeds(micro_batch: int) -> str:
+    return (f"not compiled: micro-batch {micro_batch} already exceeds the budget "
+            "(the peak grows with the micro-batch)")
+
+
 class _Search:
     """Compiles candidates with plan_step and fills their rows."""
 
@@ -402,7 +402,7 @@ class _Search:
         plan = plan_step(self.shapes, self.loss_fn, batch, devices=self.devices, config=row.config, tx=self.tx,
                          param_specs=self.param_specs, has_aux=self.has_aux, timeout=self.timeout)
         self.compilations += 1
-        row.plan, row.peak_bytes, row.host_bytes = plan, _device_peak(plan), plan.stored_host_bytes
+        row.plan, row.peak_bytes, row.host_bytes = plan, plan.device_peak_bytes, plan.stored_host_bytes
         over = []
         if row.peak_bytes > self.budget:
             over.append(f"peak {_size(row.peak_bytes)} > budget {_size(self.budget)}")
@@ -420,8 +420,7 @@ class _Search:
         failed = None
         for row in rows:
             if failed is not None and stop_at_failure:
-                row.fits, row.reason = False, (f"not compiled: micro-batch {failed} already exceeds the budget "
-                                               "(the peak grows with the micro-batch)")
+                row.fits, row.reason = False, _exceeds(failed)
             elif not self.compile(row):
                 failed = row.micro_batch
 
@@ -434,12 +433,11 @@ class _Search:
             else:
                 hi = mid
         for i, row in enumerate(rows):
-            if row.plan is None and i < lo:
+            if not row.compiled and i < lo:
                 row.fits, row.reason = True, (f"fits: micro-batch {rows[lo - 1].micro_batch} does (the peak grows "
                                               "with the micro-batch); not compiled")
-            elif row.plan is None:
-                row.fits, row.reason = False, (f"not compiled: micro-batch {rows[hi].micro_batch} already exceeds "
-                                               "the budget (the peak grows with the micro-batch)")
+            elif not row.compiled:
+                row.fits, row.reason = False, _exceeds(rows[hi].micro_batch)
 
     def measure(self, row: Row, warmup: int, steps: int) -> None:
         from zerojax.mesh import make_mesh
@@ -554,10 +552,8 @@ def autotune(
     frontier, frontier_at = 0, None
     for (stage, offload), rows in groups.items():
         rows = [r for r in rows if r.fits is None]  # rows with an impossible batch are settled
-        if exhaustive:
-            search.ascending(rows, stop_at_failure=False)
-        elif timed:
-            search.ascending(rows, stop_at_failure=True)
+        if exhaustive or timed:
+            search.ascending(rows, stop_at_failure=not exhaustive)
         else:
             for r in rows:
                 if r.micro_batch <= frontier:
@@ -568,9 +564,9 @@ def autotune(
         if fitting and max(fitting) > frontier:
             frontier, frontier_at = max(fitting), (stage, offload)
 
-    ranked = [r for r in table if r.fits and r.plan is not None]
+    ranked = [r for r in table if r.fits and r.compiled]
     if not ranked:
-        compiled = [r for r in table if r.plan is not None]
+        compiled = [r for r in table if r.compiled]
         err = AutotuneError(_no_fit_message(compiled, budget, devices, offloads, micro_batches))
         err.result = AutotuneResult(None, table, budget, host_budget, devices, n_params, "the cost model",
                                     search.cost, time.perf_counter() - t_start, search.compilations)

@@ -152,6 +152,12 @@ class StepPlan:
     def seconds(self) -> float:
         return self.lower_seconds + self.compile_seconds
 
+    @property
+    def device_peak_bytes(self) -> int:
+        """``peak_bytes`` in device memory alone: the CPU compiler places every memory kind in
+        one address space, so there the offloaded state is taken out of its peak."""
+        return self.peak_bytes - self.stored_host_bytes if self.platform == "cpu" else self.peak_bytes
+
     def __str__(self) -> str:
         mesh = " x ".join(f"{k}={v}" for k, v in self.mesh_shape.items())
         where = ("in a child process on simulated CPU devices" if self.subprocess

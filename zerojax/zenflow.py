@@ -56,7 +56,7 @@ from zerojax.config import ConfigError
 from zerojax.offload.host_adam import FlatLayout, HostAdamW, host_zeros
 from zerojax.precision import global_norm
 from zerojax.state import TrainState
-from zerojax.step import find_hyperparams
+from zerojax.step import check_batch, check_state, clip_coefficient, find_hyperparams, grads_fn
 
 AUTO_MAX_INTERVAL = 64  # "auto" fires at least this often
 def _accumulate(acc: np.ndarray, g: np.ndarray) -> None:
@@ -133,7 +133,6 @@ class ZenFlowStep:
     """
 
     def __init__(self, loss_fn: Callable, state: TrainState, has_aux: bool = False):
-        from zerojax.step import check_state, clip_coefficient, grads_fn
 
         plan = state.plan
         cfg = plan.config
@@ -145,10 +144,7 @@ class ZenFlowStep:
         if cfg.precision == "fp16":
             raise ConfigError("zenflow with precision='fp16' is not supported (its loss scaler would have to skip "
                               "host updates). Fix: use bf16")
-        if cfg.gradient_accumulation_steps < 1:  # pragma: no cover - config checks it
-            raise ConfigError("gradient_accumulation_steps must be >= 1")
         self.plan, self.z = plan, zenflow_settings(cfg.zenflow)
-        self._check_state = check_state
         self.hp = adamw_hyperparams(state)
         self.k = float(self.z["topk_ratio"])
         self.interval = self.z["update_interval"]
@@ -206,7 +202,7 @@ class ZenFlowStep:
         self._mass_steps = 0
         self.auto_fired = 0
         self.important = {}
-        self._build(loss_fn, has_aux, grads_fn, clip_coefficient)
+        self._build(loss_fn, has_aux)
 
     # ------------------------------------------------------------------ helpers
     def _master_from(self, params) -> None:
@@ -214,7 +210,7 @@ class ZenFlowStep:
         logical = self.plan.params_logical(params)
         self.layout.fill(self.master, [logical[i] for i in self.mat])
 
-    def _build(self, loss_fn, has_aux, grads_fn, clip_coefficient):
+    def _build(self, loss_fn, has_aux):
         plan, cdt, mat, vec = self.plan, self.cdt, self.mat, self.vec
         compute_grads = grads_fn(loss_fn, plan, has_aux)
         tx, topk, clip = self.dev_tx, self.topk, plan.config.gradient_clipping
@@ -369,9 +365,7 @@ class ZenFlowStep:
 
     # ------------------------------------------------------------------ the step
     def __call__(self, state: TrainState, batch):
-        self._check_state(self.plan, state)
-        from zerojax.step import check_batch
-
+        check_state(self.plan, state)
         check_batch(self.plan, batch)
         params = state.params
         if self.dev is None:

@@ -22,7 +22,9 @@ import numpy as np
 from zerojax.config import ConfigError
 from zerojax.offload.host_adam import FlatLayout, HostAdamW
 from zerojax.offload.nvme import NvmeOptimizerStore, _validate_dir
+from zerojax.precision import global_norm, tree_all_finite
 from zerojax.state import TrainState
+from zerojax.step import NON_FINITE, OK, NonFiniteError, check_batch, check_state, clip_coefficient, grads_fn
 
 class MemoryAdamW:
     """The store interface over host-memory buffers: init / step / read_master / close."""
@@ -59,7 +61,6 @@ class HostLoopStep:
 
     def __init__(self, loss_fn: Callable, state: TrainState, has_aux: bool = False, store: str = "nvme",
                  check_errors: bool = True):
-        from zerojax.step import check_state, clip_coefficient, grads_fn
         from zerojax.zenflow import LearningRate, adamw_hyperparams
 
         plan = state.plan
@@ -67,7 +68,6 @@ class HostLoopStep:
         if cfg.precision == "fp16":
             raise ConfigError("offload_optimizer='nvme' with precision='fp16' is not supported. Fix: use bf16")
         self.plan, self.cfg, self.check_errors = plan, cfg, check_errors
-        self._check_state = check_state
         hp = adamw_hyperparams(state)
         self.host_opt = HostAdamW(lr=hp["lr"], b1=hp["b1"], b2=hp["b2"], eps=hp["eps"],
                                   weight_decay=hp["weight_decay"])
@@ -90,8 +90,6 @@ class HostLoopStep:
         self.store.init(self.layout.fill(np.empty(n, np.float32), plan.params_logical(state.params)))
         compute_grads = grads_fn(loss_fn, plan, has_aux)
         clip = cfg.gradient_clipping
-        from zerojax.precision import global_norm, tree_all_finite
-
         def device(params, batch, rng):
             g, loss = compute_grads(params, batch, jnp.float32(1.0), rng)
             g = plan.to_update(g)
@@ -108,9 +106,7 @@ class HostLoopStep:
         self._place = jax.jit(place, out_shardings=plan.param_shardings)
 
     def __call__(self, state: TrainState, batch):
-        from zerojax.step import NON_FINITE, OK, NonFiniteError, check_batch
-
-        self._check_state(self.plan, state)
+        check_state(self.plan, state)
         check_batch(self.plan, batch)
         rng = jax.random.fold_in(state.rng, state.step)
         grads, m = self._device(state.params, batch, rng)
@@ -143,8 +139,7 @@ class HostLoopStep:
 
     def close(self) -> None:
         self.store.close()
-        if isinstance(self.store, NvmeOptimizerStore):  # the store does not own the optimizer
-            self.host_opt.close()
+        self.host_opt.close()  # an NVMe store does not own it; closing twice is harmless
 
 
 __all__ = ["HostLoopStep", "MemoryAdamW"]

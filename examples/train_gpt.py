@@ -69,18 +69,19 @@ def build(args, cfg, mesh):
     """(state, step, global batch) from the options, or from the DeepSpeed config file."""
     n = len(mesh.devices.flat)
     init = lambda k: init_params(cfg, k)  # noqa: E731
+    micro, rem = divmod(args.batch, n * args.grad_accum)
+    if rem or micro < 1:
+        sys.exit(f"error: --batch {args.batch} must be a multiple of {n} devices x --grad-accum {args.grad_accum}")
+    warmup = max(1, args.steps // 10)
     if args.deepspeed_config:
         given = [f"--{k.replace('_', '-')}" for k in ("stage", "offload_optimizer", "offload_param", "nvme_path")
                  if getattr(args, k) is not None]
         if given:
             sys.exit(f"error: {', '.join(given)} and --deepspeed-config both set ZeRO options: write them in "
                      f"{args.deepspeed_config} (zero_optimization) or drop --deepspeed-config")
-        micro, rem = divmod(args.batch, n * args.grad_accum)
-        if rem or micro < 1:
-            sys.exit(f"error: --batch {args.batch} must be a multiple of {n} devices x --grad-accum {args.grad_accum}")
         training_args = zj.TrainingArgs(
             per_device_train_batch_size=micro, gradient_accumulation_steps=args.grad_accum, learning_rate=args.lr,
-            weight_decay=0.1, max_grad_norm=args.clip, warmup_steps=max(1, args.steps // 10), max_steps=args.steps,
+            weight_decay=0.1, max_grad_norm=args.clip, warmup_steps=warmup, max_steps=args.steps,
             bf16=args.precision == "bf16", fp16=args.precision == "fp16")
         try:
             state, step = zj.initialize(init, loss_fn(cfg), args.deepspeed_config, mesh=mesh,
@@ -89,8 +90,6 @@ def build(args, cfg, mesh):
         except zj.ConfigError as e:
             sys.exit(f"error: {args.deepspeed_config}: {e}")
         return state, step, state.plan.config.train_batch_size
-    if args.batch % (n * args.grad_accum):
-        sys.exit(f"error: --batch {args.batch} must be a multiple of {n} devices x --grad-accum {args.grad_accum}")
     try:
         # stage 3 keeps leaves under 10 x d_model elements whole (DeepSpeed's "auto"), so this small
         # model's matrices are partitioned too
@@ -100,7 +99,7 @@ def build(args, cfg, mesh):
                                nvme_path=args.nvme_path, param_persistence_threshold=10 * cfg.d_model)
     except zj.ConfigError as e:
         sys.exit(f"error: {e}")
-    schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, max(1, args.steps // 10), args.steps, args.lr / 10)
+    schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, warmup, args.steps, args.lr / 10)
     tx = optax.inject_hyperparams(optax.adamw)(learning_rate=schedule, weight_decay=0.1)
     state = zj.shard_train_state(init, tx, mesh=mesh, config=config, rng=jax.random.PRNGKey(args.seed))
     return state, zj.make_train_step(loss_fn(cfg), state), args.batch

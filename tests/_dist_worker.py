@@ -11,7 +11,7 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 
 STAGES = (0, 1, 2, 3)
 STEPS = 3
@@ -66,7 +66,7 @@ def logical_opt(state):
 def train_all(mesh, data):
     """{stage: (losses, final state)} for every stage, each from the same start."""
     import jax
-    from helpers import init_params, loss_fn
+    from tests.helpers import init_params, loss_fn
 
     import zerojax as zj
 
@@ -103,7 +103,7 @@ def _wait_for(path: str, timeout: float = 300.0) -> None:
 def train(out_dir: str, one_ckpt: str) -> None:
     import jax
     import numpy as np
-    from helpers import batches, init_params
+    from tests.helpers import batches, init_params
 
     import zerojax as zj
 

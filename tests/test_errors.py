@@ -4,7 +4,7 @@ import optax
 import pytest
 
 import zerojax as zj
-from helpers import batches, init_params, loss_fn
+from tests.helpers import batches, init_params, loss_fn
 
 
 @pytest.fixture(scope="module")

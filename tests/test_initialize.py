@@ -11,7 +11,7 @@ import optax
 import pytest
 
 import zerojax as zj
-from helpers import batches, init_params, loss_fn, max_rel_err, reference_train
+from tests.helpers import batches, init_params, loss_fn, max_rel_err, reference_train
 from zerojax import ConfigError
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -6,7 +6,7 @@ import optax
 import pytest
 
 import zerojax as zj
-from helpers import batches, init_params, loss_fn
+from tests.helpers import batches, init_params, loss_fn
 
 
 def poisoned_loss(params, batch):

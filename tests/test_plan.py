@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import zerojax as zj
-from helpers import OPTIMIZERS, batches, init_params, loss_fn, max_rel_err, reference_train
+from tests.helpers import OPTIMIZERS, batches, init_params, loss_fn, max_rel_err, reference_train
 from zerojax.models.gpt import GPT2_SMALL
 from zerojax.models.gpt import init_params as gpt_init
 

@@ -6,7 +6,7 @@ import optax
 import pytest
 
 import zerojax as zj
-from helpers import OPTIMIZERS, batches, init_params, loss_fn, max_rel_err, reference_train
+from tests.helpers import OPTIMIZERS, batches, init_params, loss_fn, max_rel_err, reference_train
 
 
 

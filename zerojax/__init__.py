@@ -1,81 +1,111 @@
-"""zerojax: ZeRO data parallelism for JAX."""
-from zerojax.config import ConfigError as ConfigError
-from zerojax.config import ZeroConfig as ZeroConfig
-from zerojax.precision import LossScaleError as LossScaleError
-from zerojax.precision import LossScaler as LossScaler
-from zerojax.precision import LossScalerState as LossScalerState
+"""zerojax: ZeRO data parallelism for JAX.
 
-__all__ = ["ConfigError", "LossScaleError", "LossScaler", "LossScalerState", "ZeroConfig"]
+The data flow, and where each part lives:
+
+    config/   ZeroConfig, the DeepSpeed reader, optimizers, schedules
+    plan.py   ZeroPlan: how each leaf is stored and split at the config's stage
+    state.py  TrainState: the sharded params, master, optimizer state and loss scaler
+    stages/   the rules of stages 0–3: gradient reduction, collectives, the stage-3 gathers,
+              the optimizer update on partitions and the jitted on-device step
+    offload/  the host update, host Adam, flat buffers, the NVMe store and step, ZenFlow
+    kernels/  Pallas kernels (the fused AdamW)
+    step.py   the step contract and make_train_step, above every path
+    checkpoint/  Orbax save, restore onto any mesh and stage, consolidation
+    tools/    memory reports, estimators, compiled-step reports, visualize, plan_step, autotune
+    runtime/  multi-process start-up and the launcher
+"""
+# errors first: every other module raises them
+from zerojax.errors import AutotuneError as AutotuneError
+from zerojax.errors import CheckpointError as CheckpointError
+from zerojax.errors import ConfigError as ConfigError
+from zerojax.errors import DistributedError as DistributedError
+from zerojax.errors import HostUpdateWarning as HostUpdateWarning
+from zerojax.errors import IgnoredKeysWarning as IgnoredKeysWarning
+from zerojax.errors import LaunchError as LaunchError
+from zerojax.errors import LossScaleError as LossScaleError
+from zerojax.errors import NonFiniteError as NonFiniteError
+from zerojax.errors import NvmeError as NvmeError
+from zerojax.errors import StepOptionError as StepOptionError
+from zerojax.errors import ZeroJaxError as ZeroJaxError
+from zerojax.errors import ZeroJaxWarning as ZeroJaxWarning
+
+__all__ = ["AutotuneError", "CheckpointError", "ConfigError", "DistributedError", "HostUpdateWarning",
+           "IgnoredKeysWarning", "LaunchError", "LossScaleError", "NonFiniteError", "NvmeError", "StepOptionError",
+           "ZeroJaxError", "ZeroJaxWarning"]
+
+# config -> plan -> state
+from zerojax.config import TrainingArgs as TrainingArgs
+from zerojax.config import ZeroConfig as ZeroConfig
+from zerojax.config import optimizer_from_config as optimizer_from_config
+from zerojax.config import schedules as schedules
 from zerojax.mesh import make_mesh as make_mesh
 from zerojax.plan import LeafLayout as LeafLayout
 from zerojax.plan import ZeroPlan as ZeroPlan
+from zerojax.precision import LossScaler as LossScaler
+from zerojax.precision import LossScalerState as LossScalerState
 from zerojax.state import TrainState as TrainState
+from zerojax.state import abstract_train_state as abstract_train_state
 from zerojax.state import shard_train_state as shard_train_state
-from zerojax.step import HostUpdateWarning as HostUpdateWarning
-from zerojax.step import NonFiniteError as NonFiniteError
+
+__all__ += ["TrainingArgs", "ZeroConfig", "optimizer_from_config", "schedules", "make_mesh", "LeafLayout",
+            "ZeroPlan", "LossScaler", "LossScalerState", "TrainState", "abstract_train_state", "shard_train_state"]
+
+# step
+from zerojax.contract import METRIC_KEYS as METRIC_KEYS
+from zerojax.contract import Step as Step
+from zerojax.initialize import initialize as initialize
+from zerojax.optim import zero_optimizer as zero_optimizer
+from zerojax.stages.stage3 import gather as gather
 from zerojax.step import TrainStep as TrainStep
 from zerojax.step import make_train_step as make_train_step
 
-__all__ += ["HostUpdateWarning", "make_mesh", "LeafLayout", "ZeroPlan", "TrainState", "shard_train_state", "NonFiniteError",
-            "TrainStep", "make_train_step"]
-from zerojax.optim import zero_optimizer as zero_optimizer
-from zerojax.report import MemoryReport as MemoryReport
-from zerojax.report import memory_report as memory_report
+__all__ += ["METRIC_KEYS", "Step", "initialize", "zero_optimizer", "gather", "TrainStep", "make_train_step"]
 
-__all__ += ["zero_optimizer", "MemoryReport", "memory_report"]
-from zerojax.deepspeed import IgnoredKeysWarning as IgnoredKeysWarning
-from zerojax.deepspeed import TrainingArgs as TrainingArgs
-from zerojax.deepspeed import optimizer_from_config as optimizer_from_config
-from zerojax.initialize import initialize as initialize
-
-__all__ += ["IgnoredKeysWarning", "TrainingArgs", "optimizer_from_config", "initialize"]
-from zerojax.estimate import estimate as estimate
-from zerojax.estimate import estimate_zero2_model_states_mem_needs as estimate_zero2_model_states_mem_needs
-from zerojax.estimate import (
-    estimate_zero2_model_states_mem_needs_all_cold as estimate_zero2_model_states_mem_needs_all_cold,
-)
-from zerojax.estimate import (
-    estimate_zero2_model_states_mem_needs_all_live as estimate_zero2_model_states_mem_needs_all_live,
-)
-from zerojax.estimate import estimate_zero3_model_states_mem_needs as estimate_zero3_model_states_mem_needs
-from zerojax.estimate import (
-    estimate_zero3_model_states_mem_needs_all_cold as estimate_zero3_model_states_mem_needs_all_cold,
-)
-from zerojax.estimate import (
-    estimate_zero3_model_states_mem_needs_all_live as estimate_zero3_model_states_mem_needs_all_live,
-)
-from zerojax.visualize import visualize as visualize
-
-__all__ += ["estimate", "estimate_zero2_model_states_mem_needs", "estimate_zero2_model_states_mem_needs_all_cold",
-            "estimate_zero2_model_states_mem_needs_all_live", "estimate_zero3_model_states_mem_needs",
-            "estimate_zero3_model_states_mem_needs_all_cold", "estimate_zero3_model_states_mem_needs_all_live",
-            "visualize"]
-from zerojax.compiled import comm_report as comm_report
-from zerojax.compiled import peak_memory as peak_memory
-
-__all__ += ["comm_report", "peak_memory"]
-from zerojax.stages.stage3 import gather as gather
-
-__all__ += ["gather"]
-from zerojax.state import abstract_train_state as abstract_train_state
-
-__all__ += ["abstract_train_state"]
-from zerojax.planning import Ref as Ref
-from zerojax.planning import StepPlan as StepPlan
-from zerojax.planning import plan_step as plan_step
-
-__all__ += ["Ref", "StepPlan", "plan_step"]
-from zerojax.flax_support import linen_params as linen_params
-from zerojax.flax_support import nnx_params as nnx_params
-
-__all__ += ["linen_params", "nnx_params"]
+# checkpoint
 from zerojax import checkpoint as checkpoint
 from zerojax.checkpoint import CheckpointManager as CheckpointManager
 
 __all__ += ["checkpoint", "CheckpointManager"]
-from zerojax import distributed as distributed
+
+# models
+from zerojax.flax_support import linen_params as linen_params
+from zerojax.flax_support import nnx_params as nnx_params
+
+__all__ += ["linen_params", "nnx_params"]
+
+# tools
+from zerojax.tools.autotune import autotune as autotune
+from zerojax.tools.compiled import comm_report as comm_report
+from zerojax.tools.compiled import peak_memory as peak_memory
+from zerojax.tools.estimate import estimate as estimate
+from zerojax.tools.estimate import estimate_zero2_model_states_mem_needs as estimate_zero2_model_states_mem_needs
+from zerojax.tools.estimate import (
+    estimate_zero2_model_states_mem_needs_all_cold as estimate_zero2_model_states_mem_needs_all_cold,
+)
+from zerojax.tools.estimate import (
+    estimate_zero2_model_states_mem_needs_all_live as estimate_zero2_model_states_mem_needs_all_live,
+)
+from zerojax.tools.estimate import estimate_zero3_model_states_mem_needs as estimate_zero3_model_states_mem_needs
+from zerojax.tools.estimate import (
+    estimate_zero3_model_states_mem_needs_all_cold as estimate_zero3_model_states_mem_needs_all_cold,
+)
+from zerojax.tools.estimate import (
+    estimate_zero3_model_states_mem_needs_all_live as estimate_zero3_model_states_mem_needs_all_live,
+)
+from zerojax.tools.planning import Ref as Ref
+from zerojax.tools.planning import StepPlan as StepPlan
+from zerojax.tools.planning import plan_step as plan_step
+from zerojax.tools.report import MemoryReport as MemoryReport
+from zerojax.tools.report import memory_report as memory_report
+from zerojax.tools.visualize import visualize as visualize
+
+__all__ += ["autotune", "comm_report", "peak_memory", "estimate", "estimate_zero2_model_states_mem_needs",
+            "estimate_zero2_model_states_mem_needs_all_cold", "estimate_zero2_model_states_mem_needs_all_live",
+            "estimate_zero3_model_states_mem_needs", "estimate_zero3_model_states_mem_needs_all_cold",
+            "estimate_zero3_model_states_mem_needs_all_live", "Ref", "StepPlan", "plan_step", "MemoryReport",
+            "memory_report", "visualize"]
+
+# runtime
+from zerojax.runtime import distributed as distributed
 
 __all__ += ["distributed"]
-from zerojax.autotune import autotune as autotune
-
-__all__ += ["autotune"]

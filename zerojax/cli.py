@@ -19,13 +19,13 @@ import os
 import sys
 import warnings
 from typing import Callable, Optional, Sequence
+from zerojax.errors import ConfigError
 
-from zerojax.config import ConfigError
 
 
 def _training_args(text: Optional[str]):
     """A TrainingArgs from a JSON file path or an inline JSON object."""
-    from zerojax.deepspeed import TrainingArgs
+    from zerojax.config.deepspeed import TrainingArgs
 
     if text is None:
         return None
@@ -94,7 +94,7 @@ def _positive_int(text: str) -> int:
 
 
 def _run_estimate_memory(args: argparse.Namespace) -> int:
-    from zerojax.estimate import estimate_tables
+    from zerojax.tools.estimate import estimate_tables
 
     largest = args.largest_layer
     if largest is None:
@@ -131,8 +131,8 @@ def _run_plan_step(args: argparse.Namespace) -> int:
     import jax.numpy as jnp
 
     from zerojax.config import ZeroConfig
-    from zerojax.estimate import zero_paper_bytes
-    from zerojax.planning import Ref, named_gpt, plan_step
+    from zerojax.tools.estimate import zero_paper_bytes
+    from zerojax.tools.planning import Ref, named_gpt, plan_step
 
     cfg, init_fn, loss_fn = named_gpt(args.model, args.seq_len)
     config = ZeroConfig(stage=args.stage, precision=args.precision, gradient_accumulation_steps=args.gas)
@@ -154,7 +154,7 @@ def _run_plan_step(args: argparse.Namespace) -> int:
 
 
 def _add_plan_step(sub) -> None:
-    from zerojax.planning import gpt_sizes
+    from zerojax.tools.planning import gpt_sizes
 
     p = sub.add_parser("step", help="compile a GPT train step for N (simulated) devices and print its "
                                     "per-device peak, stored state and collectives")
@@ -203,7 +203,7 @@ _COMMANDS: dict[str, tuple[str, list[Callable]]] = {
 # (``zerojax launch --nproc 2 train.py --steps 10``); value: (help, "module:function(argv) -> exit code")
 _PASSTHROUGH = {
     "launch": ("start N processes of a training script (one host, or a hostfile's hosts over ssh)",
-               "zerojax.launch:main"),
+               "zerojax.runtime.launch:main"),
 }
 
 

@@ -18,8 +18,8 @@ from typing import Any, Callable, Optional, Sequence, Tuple
 
 import jax
 from jax.sharding import PartitionSpec as P
+from zerojax.errors import ConfigError
 
-from zerojax.config import ConfigError
 
 
 def nnx_params(module) -> Tuple[Any, Any, Callable[[Any], Any]]:

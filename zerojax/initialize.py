@@ -24,13 +24,15 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from zerojax import schedules
-from zerojax.config import ConfigError, ZeroConfig
-from zerojax.deepspeed import optimizer_from_config, resolve_batch
+from zerojax.config import schedules
+from zerojax.config import ZeroConfig
+from zerojax.config.deepspeed import optimizer_from_config, resolve_batch
+from zerojax.errors import ConfigError
 from zerojax.mesh import make_mesh
 from zerojax.plan import ZeroPlan, path_str
 from zerojax.state import TrainState, shard_train_state
-from zerojax.step import TrainStep, make_train_step
+from zerojax.contract import Step
+from zerojax.step import make_train_step
 
 __all__ = ["GlobalBatchStep", "check_global_batch", "initialize", "linear_schedule_with_warmup"]
 
@@ -42,26 +44,48 @@ _NO_OPTIMIZER = (
 )
 
 
-class GlobalBatchStep(TrainStep):
-    """A :class:`~zerojax.step.TrainStep` that also checks each batch holds ``train_batch_size``
-    samples, the global batch the config describes, before running."""
+class GlobalBatchStep:
+    """Any :class:`~zerojax.contract.Step` (whatever path the config chose) that also checks
+    each batch holds ``train_batch_size`` samples, the global batch the config describes,
+    before running. Every other attribute is the wrapped step's (``.plan``, ``.jitted`` on the
+    device path, ``.end_epoch()`` on ZenFlow, ``.master()`` on NVMe)."""
 
-    train_batch_size: Optional[int] = None
+    def __init__(self, step: Step, train_batch_size: Optional[int]):
+        self.step = step
+        self.train_batch_size = train_batch_size
 
     @classmethod
-    def wrap(cls, step: TrainStep, train_batch_size: Optional[int]) -> "GlobalBatchStep":
-        wrapped = cls.__new__(cls)  # adopt the built step as is, whatever TrainStep's constructor takes
-        wrapped.__dict__.update(vars(step))
-        wrapped.train_batch_size = train_batch_size
-        return wrapped
+    def wrap(cls, step: Step, train_batch_size: Optional[int]) -> "GlobalBatchStep":
+        return cls(step, train_batch_size)
+
+    @property
+    def plan(self) -> ZeroPlan:
+        return self.step.plan
 
     def __call__(self, state: TrainState, batch):
         check_global_batch(self.plan, self.train_batch_size, batch)
-        return super().__call__(state, batch)
+        return self.step(state, batch)
 
     def lower(self, state, batch):
         check_global_batch(self.plan, self.train_batch_size, batch)
-        return super().lower(state, batch)
+        return self.step.lower(state, batch)
+
+    def finish(self, state: TrainState) -> TrainState:
+        return self.step.finish(state)
+
+    def close(self) -> None:
+        self.step.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __getattr__(self, name: str):
+        if name == "step":  # not set yet (unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.step, name)
 
 
 def check_global_batch(plan: ZeroPlan, train_batch_size: Optional[int], batch) -> None:
@@ -165,7 +189,7 @@ def _optimizer(config: ZeroConfig, training_args, optimizer) -> optax.GradientTr
                               'the "optimizer" block or do not pass optimizer=')
         if config.scheduler is not None:
             raise ConfigError("the config's scheduler block cannot drive an optimizer passed as optimizer=. "
-                              "Fix: build the schedule into it, e.g. optax.adamw(zerojax.schedules."
+                              "Fix: build the schedule into it, e.g. optax.adamw(zerojax.config.schedules."
                               "from_deepspeed(block, base_lr)), and remove the \"scheduler\" block")
         return optimizer
     if config.optimizer is not None:
@@ -194,14 +218,14 @@ def initialize(
     ``config`` is a :class:`ZeroConfig`, a DeepSpeed config dict, or the path of a DeepSpeed
     JSON file; a dict or path is read with ``ZeroConfig.from_deepspeed(config, training_args,
     world_size=<size of the mesh's data axis>, hidden_size)``, so "auto" values are filled from
-    ``training_args`` (:class:`~zerojax.deepspeed.TrainingArgs` or any object with those fields).
+    ``training_args`` (:class:`~zerojax.config.deepspeed.TrainingArgs` or any object with those fields).
     ``mesh`` defaults to ``zj.make_mesh()`` (every device on the data axis).
 
     The optimizer, first match wins:
 
     1. ``optimizer=`` (any optax transformation; the config must then have no optimizer or
        scheduler block);
-    2. the config's optimizer block, via :func:`~zerojax.deepspeed.optimizer_from_config`
+    2. the config's optimizer block, via :func:`~zerojax.config.deepspeed.optimizer_from_config`
        (with its scheduler block);
     3. ``training_args``: Hugging Face's AdamW (``learning_rate``, ``adam_beta1/2``,
        ``adam_epsilon``, ``weight_decay``; unlike Hugging Face's Trainer, weight decay applies to

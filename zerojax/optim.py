@@ -25,6 +25,7 @@ from zerojax.mesh import make_mesh
 from zerojax.plan import ZeroPlan
 from zerojax.precision import global_norm
 from zerojax.stages import collectives as C
+from zerojax.stages.update import clip_coefficient
 
 
 class ZeroOptState(NamedTuple):
@@ -70,8 +71,6 @@ def zero_optimizer(tx: optax.GradientTransformation, *, mesh=None,
         _check_tree(plan, updates, "updates")
         grads = to_update_layout(plan, updates)
         if config.gradient_clipping:
-            from zerojax.step import clip_coefficient
-
             coef = clip_coefficient(global_norm(grads), config.gradient_clipping)
             grads = jax.tree_util.tree_map(lambda g: g / coef, grads)
         master = to_update_layout(plan, params)

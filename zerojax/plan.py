@@ -25,7 +25,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zerojax.config import ConfigError, ZeroConfig
+from zerojax.config import ZeroConfig
+from zerojax.errors import ConfigError
 from zerojax.precision import compute_dtype
 
 DEVICE = "device"

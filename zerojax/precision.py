@@ -21,10 +21,6 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 _COMPUTE_DTYPE = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
 
 
-class LossScaleError(RuntimeError):
-    """Raised on the host when an fp16 overflow happens at the minimum loss scale."""
-
-
 def compute_dtype(precision: str):
     """The dtype params are stored and used in for compute under ``precision``."""
     return _COMPUTE_DTYPE[precision]

@@ -54,6 +54,8 @@ import optax
 
 from zerojax.models import gpt
 from zerojax.models.gpt import GPTConfig
+from zerojax.state import shard_train_state
+from zerojax.step import make_train_step
 
 PACKAGES = ("asyncio", "email", "importlib", "xml")
 VOCAB = 2048  # the pretraining text's most frequent words, after the reserved ids below
@@ -371,8 +373,6 @@ def finetune(params, train: Data, tx, *, mesh, config, epochs: int = EPOCHS, bat
 
     ``tx`` is any optax optimizer; ``callback(step, metrics)`` runs after every step.
     """
-    from zerojax.state import shard_train_state
-    from zerojax.step import make_train_step
 
     state = shard_train_state(params, tx, mesh=mesh, config=config, rng=jax.random.PRNGKey(seed))
     step = make_train_step(loss_fn, state)

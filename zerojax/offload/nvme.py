@@ -40,27 +40,13 @@ from typing import Optional
 
 import numpy as np
 
+from zerojax.errors import NvmeError
 from zerojax.offload.host_adam import HostAdamW
 
 __all__ = ["NvmeError", "NvmeOptimizerStore"]
 
 _MARKER = "COMMITTED"
 _FIELDS = ("master", "m", "v")
-
-
-class NvmeError(OSError):
-    """An NVMe offload directory cannot be used or an I/O on it failed.
-
-    The message names the path, what went wrong and what to do about it; ``errno``
-    carries the underlying error number when there is one.
-    """
-
-    def __init__(self, path: str, problem: str, fix: str, errno: int = 0):
-        super().__init__(errno, problem, str(path))
-        self.path, self.problem, self.fix = str(path), problem, fix
-
-    def __str__(self) -> str:
-        return f"NVMe offload path {self.path!r}: {self.problem}. Fix: {self.fix}"
 
 
 def _pwrite_all(fd: int, buf: memoryview, offset: int) -> None:

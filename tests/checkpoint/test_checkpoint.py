@@ -1,0 +1,264 @@
+"""Checkpoints: any mesh / stage / offload on restore, exact resume, crash safety, consolidation."""
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from tests._ckpt_worker import make_state
+from tests.helpers import batches, init_params, loss_fn
+from safetensors.numpy import load_file
+
+import zerojax as zj
+from zerojax.checkpoint import CheckpointError, CheckpointManager, consolidate
+
+WORKER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "_ckpt_worker.py")
+TX = lambda: optax.adamw(1e-2, weight_decay=0.1)
+
+
+def host(tree):
+    return [np.asarray(x) for x in jax.tree_util.tree_leaves(jax.device_get(tree))]
+
+
+def logical_opt(state):
+    """Optimizer leaves unpadded, on the host."""
+    lays = state.plan.opt_leaf_layouts(state.opt_state, stored=True)
+    out = []
+    for x, lay in zip(jax.tree_util.tree_leaves(state.opt_state), lays):
+        x = np.asarray(jax.device_get(x))
+        out.append(x if lay is None else x[tuple(slice(0, s) for s in lay.shape)])
+    return out
+
+
+def assert_same(a, b):
+    """Bitwise equal: params, optimizer state, step, loss scaler, rng."""
+    for x, y in zip(host(a.full_params(jnp.float32)), host(b.full_params(jnp.float32))):
+        np.testing.assert_array_equal(x, y)
+    for x, y in zip(logical_opt(a), logical_opt(b)):
+        np.testing.assert_array_equal(x, y)
+    for x, y in zip(host((a.step, a.loss_scale, a.rng)), host((b.step, b.loss_scale, b.rng))):
+        np.testing.assert_array_equal(x, y)
+
+
+def train(state, data):
+    step = zj.make_train_step(loss_fn, state)
+    for b in data:
+        state, _ = step(state, b)
+    return state
+
+
+def abstract(n=8, **config):
+    return zj.abstract_train_state(init_params(jax.random.PRNGKey(0)), TX(), mesh=zj.make_mesh(n),
+                                   config=zj.ZeroConfig(**config))
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """Stage 3, bf16, every leaf partitioned, 8 devices, 2 steps taken; checkpoint at step 2."""
+    directory = str(tmp_path_factory.mktemp("ckpt"))
+    state = train(make_state("fp32", precision="bf16"), batches(2))
+    mngr = CheckpointManager(directory)
+    mngr.save(2, state, data_state={"epoch": 1, "offset": 64})
+    mngr.close()
+    return directory, state
+
+
+@pytest.mark.parametrize("n,stage,offload", [(4, 3, None), (2, 0, None), (1, 3, None), (8, 1, None),
+                                             (8, 2, None), (4, 2, "cpu")])
+def test_restore_on_any_mesh_and_stage(saved, n, stage, offload):
+    directory, state = saved
+    target = abstract(n, stage=stage, precision="bf16", param_persistence_threshold=0, offload_optimizer=offload)
+    restored, data_state = CheckpointManager(directory).restore(target)
+    assert data_state == {"epoch": 1, "offset": 64}
+    assert restored.plan.n == n and restored.plan.stage == stage
+    assert_same(state, restored)
+    # every leaf lands where the target plan puts it, in its dtype
+    for got, want in zip(jax.tree_util.tree_leaves(restored), jax.tree_util.tree_leaves(target)):
+        assert got.shape == want.shape and got.dtype == want.dtype
+        assert got.sharding.is_equivalent_to(want.sharding, got.ndim)
+        assert got.sharding.memory_kind == want.sharding.memory_kind
+
+
+def test_restore_into_fp32_run_and_back(saved):
+    """A bf16 run's fp32 master becomes an fp32 run's params."""
+    directory, state = saved
+    restored, _ = CheckpointManager(directory).restore(abstract(2, stage=1))
+    assert restored.master is None
+    for x, y in zip(host(state.full_params(jnp.float32)), host(restored.full_params(jnp.float32))):
+        np.testing.assert_array_equal(x, y)
+
+
+@pytest.fixture(scope="module")
+def halves(tmp_path_factory):
+    """Checkpoints written by a separate process after 5 steps, fp32 and fp16."""
+    root = tmp_path_factory.mktemp("half")
+    procs = {p: subprocess.Popen([sys.executable, WORKER, "half", str(root / p), p]) for p in ("fp32", "fp16")}
+    for p in procs.values():
+        assert p.wait(timeout=120) == 0
+    return root
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_resume_is_bitwise_exact(halves, precision):
+    data = batches(10)
+    straight = train(make_state(precision), data)
+    target = make_state(precision)  # a fresh state object: only its layout is used
+    resumed, data_state = CheckpointManager(halves / precision).restore(target)
+    assert int(resumed.step) == 5 and data_state == {"next_batch": 5}
+    if precision == "fp16":  # the scaler was mid-hysteresis when saved
+        assert int(resumed.loss_scale.hysteresis) == 1
+    resumed = train(resumed, data[int(data_state["next_batch"]):])
+    assert_same(straight, resumed)
+
+
+def test_killed_saves_leave_a_restorable_checkpoint(tmp_path):
+    """SIGKILL a process at random points while it saves every step; the newest complete step restores."""
+    data = batches(40)
+    rng = random.Random(0)
+    dirs = [str(tmp_path / f"run{i}") for i in range(3)]
+    procs = [subprocess.Popen([sys.executable, WORKER, "loop", d], stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, text=True) for d in dirs]
+    for p, target in zip(procs, (2, 3, 4)):
+        line = p.stdout.readline()
+        while line and not (line.startswith("SAVING") and int(line.split()[1]) >= target):
+            line = p.stdout.readline()
+        time.sleep(rng.uniform(0.0, 0.3))  # a save cycle takes about 0.5 s here; its write, ~0.1-0.2 s in
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+    reference = [make_state("fp32")]
+    step = zj.make_train_step(loss_fn, reference[0], donate=False)
+    for d in dirs:
+        with warnings.catch_warnings(record=True) as caught:  # a tmp dir left by the kill is skipped
+            warnings.simplefilter("always")
+            resumed, data_state = CheckpointManager(d).restore(reference[0])
+        assert all("incomplete checkpoint" in str(w.message) for w in caught if "checkpoint" in str(w.message))
+        k = int(resumed.step)
+        assert k >= 1 and data_state == {"next_batch": k}
+        while len(reference) <= k:
+            reference.append(step(reference[-1], data[len(reference) - 1])[0])
+        assert_same(reference[k], resumed)
+        resumed, _ = step(resumed, data[k])  # training continues
+        assert int(resumed.step) == k + 1
+
+
+# ------------------------------------------------------------------------------ bad input
+def test_missing_directory_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope"):
+        zj.checkpoint.restore(tmp_path / "nope", abstract())
+
+
+def test_incomplete_step_is_skipped_with_a_warning(saved, tmp_path):
+    directory = tmp_path / "ck"
+    shutil.copytree(saved[0], directory)
+    (directory / "7").mkdir()  # a step directory without metadata
+    (directory / "7" / "state").mkdir()
+    (directory / "9.orbax-checkpoint-tmp-1234").mkdir()  # what a killed save leaves
+    with pytest.warns(UserWarning) as caught:
+        restored, _ = zj.checkpoint.restore(directory, abstract(4, stage=2, precision="bf16"))
+    text = " ".join(str(w.message) for w in caught)
+    assert str(directory / "7") in text and "9.orbax-checkpoint-tmp-1234" in text
+    assert int(restored.step) == 2
+    with pytest.warns(UserWarning), pytest.raises(FileNotFoundError, match="step 7"):
+        zj.checkpoint.restore(directory, abstract(4, stage=2), step=7)
+
+
+def _other_model(change):
+    p = init_params(jax.random.PRNGKey(0))
+    if change == "missing":
+        del p["odd"]
+    elif change == "extra":
+        p["head"] = jnp.zeros((3, 3))
+    else:
+        p["out"] = jnp.zeros((20, 6))
+    return p
+
+
+@pytest.mark.parametrize("change,needle", [("missing", "params/odd"), ("extra", "params/head"),
+                                           ("reshaped", "params/out: checkpoint shape (20, 5)")])
+def test_mismatched_target_lists_the_leaves(saved, change, needle):
+    target = zj.abstract_train_state(_other_model(change), TX(), mesh=zj.make_mesh(2),
+                                     config=zj.ZeroConfig(stage=1))
+    with pytest.raises(ValueError, match="does not match the target") as info:
+        zj.checkpoint.restore(saved[0], target)
+    assert needle in str(info.value)
+    assert "opt_state/0/mu/" in str(info.value)  # the optimizer leaves are named too
+
+
+@pytest.mark.parametrize("damage", ["truncate", "delete"])
+def test_damaged_data_file_is_an_error(saved, tmp_path, damage):
+    directory = tmp_path / "ck"
+    shutil.copytree(saved[0], directory)
+    files = [os.path.join(r, f) for r, _, fs in os.walk(directory / "2" / "state") for f in fs
+             if os.sep + "d" + os.sep in os.path.join(r, f)]
+    for name in files:  # Orbax may keep the data under the root and the per-process directory
+        if damage == "truncate":
+            with open(name, "r+b") as f:
+                f.truncate(os.path.getsize(name) // 2)
+        else:
+            os.remove(name)
+    with pytest.raises(CheckpointError, match=str(directory / "2")):
+        zj.checkpoint.restore(directory, abstract(8, stage=3, precision="bf16", param_persistence_threshold=0))
+
+
+# ------------------------------------------------------------------------ consolidation
+def test_consolidate_safetensors_equals_full_params(saved, tmp_path):
+    directory, state = saved
+    out = consolidate(directory, tmp_path / "model.safetensors", progress=False)
+    got = load_file(str(out))
+    want = jax.device_get(state.full_params(jnp.float32))
+    names = {"/".join(str(getattr(k, "key", k)) for k in path).replace("/", "."): x
+             for path, x in jax.tree_util.tree_flatten_with_path(want)[0]}
+    assert set(got) == set(names) and "dense.kernel" in got
+    for name, x in names.items():
+        np.testing.assert_array_equal(got[name], x)
+
+
+def test_consolidate_cli_bf16_and_orbax(saved, tmp_path):
+    directory, state = saved
+    from zerojax.cli import main
+    out = tmp_path / "m16.safetensors"
+    assert main(["checkpoint", "consolidate", directory, str(out), "--dtype", "bfloat16", "--step", "2"]) == 0
+    got = load_file(str(out))
+    want = jax.device_get(state.full_params(jnp.bfloat16))
+    np.testing.assert_array_equal(got["emb"], want["emb"])
+    assert got["emb"].dtype == want["emb"].dtype
+    consolidate(directory, tmp_path / "orbax", format="orbax", progress=False)
+    import orbax.checkpoint as ocp
+    tree = ocp.PyTreeCheckpointer().restore(str(tmp_path / "orbax"))
+    np.testing.assert_array_equal(np.asarray(tree["dense"]["kernel"]), jax.device_get(state.full_params())["dense"]["kernel"])
+
+
+# ------------------------------------------------------------------------------ manager
+def test_best_and_max_to_keep_and_16bit_copy(tmp_path):
+    state = make_state("fp32", n=2, precision="bf16", gather_16bit_weights_on_model_save=True)
+    mngr = CheckpointManager(tmp_path / "ck", max_to_keep=2, best_metric="loss")
+    for step, loss in ((1, 3.0), (2, 1.0), (3, 2.0), (4, 5.0)):
+        mngr.save(step, state, metrics={"loss": loss})
+    mngr.wait_until_finished()
+    assert mngr.best_step() == 2 and mngr.all_steps() == [2, 3] and mngr.latest_step() == 3
+    copy = load_file(str(tmp_path / "ck" / "3" / "model_16bit.safetensors"))
+    np.testing.assert_array_equal(copy["out"], jax.device_get(state.full_params(jnp.bfloat16))["out"])
+    with pytest.raises(ValueError, match="metrics"):
+        mngr.save(5, state)
+    mngr.close()
+
+
+def test_values_not_matching_checksums_are_an_error(saved, tmp_path):
+    """Whatever the storage layer returns, values that differ from what was saved never pass silently."""
+    import json
+    directory = tmp_path / "ck"
+    shutil.copytree(saved[0], directory)
+    meta_path = directory / "2" / "zerojax" / "metadata"
+    meta = json.loads(meta_path.read_text())
+    meta["checksums"]["params/emb"] ^= 1
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match="params/emb"):
+        zj.checkpoint.restore(directory, abstract(2, stage=1, precision="bf16"))

@@ -1,0 +1,95 @@
+"""offload_optimizer="nvme" in the training step: equal to the in-memory host optimizer bitwise,
+equal to plain optax, and clear errors for a bad path or a failing disk."""
+import errno
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import zerojax as zj
+from tests.helpers import batches, init_params, loss_fn, max_rel_err, reference_train
+from zerojax.offload import nvme
+from zerojax.offload.nvme_step import HostLoopStep
+
+
+def adamw():
+    schedule = optax.linear_schedule(1e-2, 1e-3, 4)  # followed step by step on the host
+    return optax.inject_hyperparams(optax.adamw)(learning_rate=schedule, weight_decay=0.1)
+
+
+def nvme_state(path, stage=2, precision="fp32", **kw):
+    config = zj.ZeroConfig(stage=stage, precision=precision, offload_optimizer="nvme", nvme_path=str(path),
+                           sub_group_size=100, param_persistence_threshold=0, **kw)
+    return zj.shard_train_state(init_params(jax.random.PRNGKey(0)), adamw(), config=config)
+
+
+def logical(state):
+    plan = state.plan
+    return plan.map(lambda lay, x: plan.unpad(x, lay) if lay.params_partitioned else x, state.params)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_nvme_training_equals_plain_optax(tmp_path, stage):
+    data = batches(4)
+    want, _ = reference_train(init_params(jax.random.PRNGKey(0)), adamw(), data, clip=0.5)
+    state = nvme_state(tmp_path, stage=stage, gradient_clipping=0.5)
+    assert state.master is None and state.opt_state is None  # nothing of the optimizer in memory
+    step = zj.make_train_step(loss_fn, state)
+    assert isinstance(step, HostLoopStep)
+    for b in data:
+        state, _ = step(state, b)
+    # HostAdamW folds the bias corrections into one step size: a few ulps from optax's rounding
+    assert max_rel_err(logical(state), want) < 3e-6
+    assert os.path.exists(tmp_path / "zerojax_optimizer_p0" / "COMMITTED")
+    step.close()
+
+
+def test_nvme_equals_in_memory_host_optimizer_bitwise(tmp_path):
+    data = batches(4)
+    runs = {}
+    for store in ("nvme", "memory"):
+        (tmp_path / store).mkdir()
+        state = nvme_state(tmp_path / store, precision="bf16")
+        step = HostLoopStep(loss_fn, state, store=store)
+        for b in data:
+            state, _ = step(state, b)
+        runs[store] = ([np.asarray(x) for x in jax.tree_util.tree_leaves(state.params)], step.master())
+        step.close()
+    for a, b in zip(runs["nvme"][0], runs["memory"][0]):
+        assert np.array_equal(a.view(np.uint16), b.view(np.uint16))
+    assert np.array_equal(runs["nvme"][1], runs["memory"][1])
+
+
+def test_bad_nvme_path_fails_before_any_step(tmp_path):
+    with pytest.raises(nvme.NvmeError, match="does not exist|no such|missing"):
+        zj.make_train_step(loss_fn, nvme_state(tmp_path / "nope"))
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(nvme.NvmeError, match="not a directory"):
+        zj.make_train_step(loss_fn, nvme_state(tmp_path / "file"))
+
+
+def test_disk_full_mid_run_is_a_clear_error_and_keeps_the_last_state(tmp_path, monkeypatch):
+    state = nvme_state(tmp_path)
+    step = zj.make_train_step(loss_fn, state)
+    data = batches(3)
+    state, _ = step(state, data[0])
+    before = [np.asarray(x).copy() for x in jax.tree_util.tree_leaves(state.params)]
+    committed = step.master().copy()
+    real = os.pwrite
+
+    def full(fd, buf, offset):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "pwrite", full)
+    with pytest.raises(nvme.NvmeError, match="space"):
+        step(state, data[1])
+    monkeypatch.setattr(os, "pwrite", real)
+    # the caller's state and the store's last committed step are intact; training resumes
+    assert all(np.array_equal(a, np.asarray(b)) for a, b in zip(before, jax.tree_util.tree_leaves(state.params)))
+    assert np.array_equal(step.master(), committed)
+    state, m = step(state, data[1])
+    assert np.isfinite(float(m["loss"]))
+    step.close()

@@ -1,0 +1,21 @@
+"""Configuration: ZeroConfig, the DeepSpeed JSON reader, optimizers and LR schedules.
+
+    config = zj.ZeroConfig(stage=2, precision="bf16")
+    config = zj.ZeroConfig.from_deepspeed("ds_config.json", training_args=zj.TrainingArgs(...))
+    tx = zj.optimizer_from_config(config)
+
+Layered bottom-up: ``schedules`` and ``checks`` (DeepSpeed's rules per block) know nothing
+of the others, ``optimizers`` builds optax from a resolved block, ``deepspeed`` reads a file
+into fields, ``zero`` holds the dataclass.
+"""
+from zerojax.config import schedules as schedules
+from zerojax.config.deepspeed import TrainingArgs as TrainingArgs
+from zerojax.config.deepspeed import resolve_batch as resolve_batch
+from zerojax.config.optimizers import optimizer_from_config as optimizer_from_config
+from zerojax.config.zero import ZeroConfig as ZeroConfig
+from zerojax.config.zero import config_from_deepspeed as config_from_deepspeed
+from zerojax.errors import ConfigError as ConfigError
+from zerojax.errors import IgnoredKeysWarning as IgnoredKeysWarning
+
+__all__ = ["ConfigError", "IgnoredKeysWarning", "TrainingArgs", "ZeroConfig", "config_from_deepspeed",
+           "optimizer_from_config", "resolve_batch", "schedules"]

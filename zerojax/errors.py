@@ -1,0 +1,91 @@
+"""Every error and warning zerojax raises, under one base class each.
+
+    try:
+        state, metrics = step(state, batch)
+    except zj.ZeroJaxError as e:       # any zerojax error; the step's kind carries .state
+        state = e.state or state
+
+Each message names the key, leaf, file or option at fault and the fix. An error raised by a
+step carries the state the step returned (unchanged where the update was skipped) as
+``.state``, passed through the constructor, so nothing the user had is lost.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "AutotuneError", "CheckpointError", "ConfigError", "DistributedError", "HostUpdateWarning",
+    "IgnoredKeysWarning", "LaunchError", "LossScaleError", "NonFiniteError", "NvmeError", "StepOptionError",
+    "ZeroJaxError", "ZeroJaxWarning",
+]
+
+
+class ZeroJaxError(Exception):
+    """The base of every zerojax error. ``state``: the TrainState to continue from, where the
+    error is raised after a step (None elsewhere)."""
+
+    def __init__(self, *args: Any, state: Any = None):
+        super().__init__(*args)
+        self.state = state
+
+
+class ZeroJaxWarning(UserWarning):
+    """The base of every zerojax warning."""
+
+
+class ConfigError(ZeroJaxError, ValueError):
+    """A configuration value is invalid; the message names the key and the fix."""
+
+
+class StepOptionError(ConfigError):
+    """``make_train_step`` was asked for an option the chosen update path cannot honour."""
+
+
+class NonFiniteError(ZeroJaxError, FloatingPointError):
+    """fp32 training met an inf/nan loss or gradient; the state was left unchanged (``.state``)."""
+
+
+class LossScaleError(ZeroJaxError, RuntimeError):
+    """An fp16 overflow happened at the minimum loss scale; ``.state`` holds the returned state."""
+
+
+class CheckpointError(ZeroJaxError, ValueError):
+    """A checkpoint cannot be written, found, read or verified; the message names the path."""
+
+
+class DistributedError(ZeroJaxError, RuntimeError):
+    """A multi-process run cannot start: bad environment, called too late, or peers not reachable."""
+
+
+class LaunchError(ZeroJaxError, ValueError):
+    """The launch cannot start: a bad hostfile, address or option."""
+
+
+class AutotuneError(ConfigError):
+    """No candidate fits the budget; ``.result`` holds the table (``best`` is None)."""
+
+    result: Any = None
+
+
+class NvmeError(ZeroJaxError, OSError):
+    """An NVMe offload directory cannot be used or an I/O on it failed.
+
+    The message names the path, what went wrong and what to do about it; ``errno``
+    carries the underlying error number when there is one.
+    """
+
+    def __init__(self, path: str, problem: str, fix: str, errno: int = 0, *, state: Any = None):
+        OSError.__init__(self, errno, problem, str(path))
+        self.state = state
+        self.path, self.problem, self.fix = str(path), problem, fix
+
+    def __str__(self) -> str:
+        return f"NVMe offload path {self.path!r}: {self.problem}. Fix: {self.fix}"
+
+
+class IgnoredKeysWarning(ZeroJaxWarning):
+    """A DeepSpeed config key zerojax reads but cannot honour; the message names each key."""
+
+
+class HostUpdateWarning(ZeroJaxWarning):
+    """optimizer offload could not run this optimizer's update on the host (it runs on the device)."""

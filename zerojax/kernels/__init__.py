@@ -1,0 +1,1 @@
+"""Pallas kernels: the fused AdamW update (Triton on GPU, interpret mode on CPU)."""

@@ -1,0 +1,192 @@
+"""The on-device step of stages 0–3: one jitted function with explicit collectives.
+
+The gradient comes from :func:`zerojax.stages.gradients.grads_fn`; loss scaling, overflow
+skipping, DeepSpeed's clipping coefficient and the optax update run on the partitioned
+gradients, so each device updates only its 1/N of the optimizer state. With
+``offload_optimizer="cpu"`` the update runs on the host inside the same program
+(:mod:`zerojax.offload.host_update`); with ``fused_adam`` through the Pallas kernel.
+"""
+from __future__ import annotations
+
+import functools
+import warnings
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from zerojax._compat import compute_on_host
+from zerojax.contract import METRIC_KEYS, NON_FINITE, OK, SCALE_AT_MIN, StepBase
+from zerojax.errors import HostUpdateWarning
+from zerojax.kernels.fused_update import fused_adamw_update
+from zerojax.offload.host_update import host_apply_fn
+from zerojax.plan import DEVICE, ZeroPlan
+from zerojax.precision import global_norm, tree_all_finite
+from zerojax.stages.gradients import grads_fn
+from zerojax.stages.update import clip_coefficient, find_learning_rate, master_view, optax_update, params_from_master
+from zerojax.state import TrainState, state_shardings
+
+
+def _update_fn(loss_fn: Callable, plan: ZeroPlan, tx, has_aux: bool, fused_adam: bool = False,
+               fused_block: int = 4096):
+    cfg = plan.config
+    scaler = cfg.loss_scaler
+    fp16 = cfg.precision == "fp16"
+    compute_grads = grads_fn(loss_fn, plan, has_aux)
+    homes = state_shardings(plan, tx)
+
+    host_apply = compute_on_host(host_apply_fn(plan, tx)) if plan.host_update else None
+
+    def on_host(state, scaled, scale, coef, skip):
+        # ZeRO-Offload: the (still loss-scaled) gradients travel to the host in the compute
+        # dtype, the host updates the fp32 master and moments and sends back compute-dtype
+        # params, which the device then gathers (stages 1–2).
+        to_host = plan.map(lambda lay, g: jax.device_put(g.astype(plan.compute_dtype), plan.master_sharding(lay)),
+                           scaled)
+        master = master_view(plan, state)
+        if not plan.has_master:  # fp32: the device's params are the master
+            master = plan.map(lambda lay, x: jax.device_put(x, plan.master_sharding(lay)), master)
+        new_params, master, opt_state = host_apply(to_host, master, state.opt_state, scale, coef, skip)
+        new_params = plan.map(lambda lay, x: jax.device_put(x, plan.master_sharding(lay).with_memory_kind(DEVICE)),
+                              new_params)
+        return params_from_master(plan, new_params), master, opt_state
+
+
+    def on_device(state, grads, skip):
+        # offloaded state is fetched from host memory for the update and put back after it
+        state = state.replace(params=plan.fetch(state.params, homes.params),
+                              master=plan.fetch(state.master, homes.master),
+                              opt_state=plan.fetch(state.opt_state, homes.opt_state))
+
+        def apply(_):
+            if fused_adam:
+                params_c, master, opt_state = fused_adamw_update(plan, tx, master_view(plan, state),
+                                                                 state.opt_state, grads, fused_block)
+                return params_from_master(plan, params_c), (master if plan.has_master else None), opt_state
+            master, opt_state = optax_update(plan, tx, master_view(plan, state), grads, state.opt_state)
+            return params_from_master(plan, master), (master if plan.has_master else None), opt_state
+
+        # a select rather than lax.cond: it fuses into the update, which then writes the
+        # donated buffers in place instead of keeping old and new state alive side by side
+        old = (state.params, state.master, state.opt_state)
+        params, master, opt_state = jax.tree_util.tree_map(lambda o, n: jnp.where(skip, o, n), old, apply(None))
+        return params, plan.put_back(master, homes.master), plan.put_back(opt_state, homes.opt_state)
+
+    def train_step(state: TrainState, batch):
+        scale = state.loss_scale.scale if fp16 else jnp.float32(1.0)
+        rng = jax.random.fold_in(state.rng, state.step)
+        # offloaded stage-3 params stay in host memory: each shard is brought to the device
+        # just before its gather, layer by layer; the rest are fetched now
+        state = state.replace(params=plan.map(
+            lambda lay, x, s: x if lay.params_partitioned else plan.fetch(x, s), state.params, homes.params))
+        scaled, loss = compute_grads(state.params, batch, scale, rng)
+        grads = jax.tree_util.tree_map(lambda g: g / scale, scaled)
+        finite = tree_all_finite(grads) & jnp.isfinite(loss)
+        norm = global_norm(grads)
+        coef = clip_coefficient(norm, cfg.gradient_clipping)
+        skip = ~finite
+        if cfg.precision == "bf16" and not cfg.check_grad_overflow:
+            skip = jnp.asarray(False)
+        done = None
+        if host_apply is not None:
+            try:
+                done = on_host(state, scaled, scale, coef, skip)
+            except ValueError as e:  # raised while tracing, before anything runs
+                if "memory_space" not in str(e):
+                    raise
+                warnings.warn(
+                    f"offload_optimizer='cpu': this optimizer's update cannot be traced for the host ({e}); "
+                    "its state stays in host memory between steps and is updated on the device instead. "
+                    "optax.adam/adamw/sgd/lion (and the DeepSpeed Adam/AdamW configs) update on the host.",
+                    HostUpdateWarning, stacklevel=2)
+        if done is None:
+            done = on_device(state, jax.tree_util.tree_map(lambda g: g / coef, grads), skip)
+        params, master, opt_state = done
+        params = plan.put_back(params, homes.params)
+        loss_scale = scaler.update(state.loss_scale, ~finite) if fp16 else state.loss_scale
+        error = jnp.int32(OK)
+        if fp16:
+            error = jnp.where(loss_scale.at_minimum & ~state.loss_scale.at_minimum, SCALE_AT_MIN, OK)
+        elif cfg.precision == "fp32":
+            error = jnp.where(finite, OK, NON_FINITE)
+        new_state = state.replace(step=state.step + 1, params=params, master=master, opt_state=opt_state,
+                                  loss_scale=loss_scale)
+        metrics = {
+            "loss": loss,
+            "grad_norm": norm,
+            "learning_rate": jax.device_put(find_learning_rate(opt_state), NamedSharding(plan.mesh, P())),
+            "loss_scale": scale,
+            "skipped": skip,
+            "error": error,
+        }
+        return new_state, metrics
+
+    return train_step
+
+
+class TrainStep(StepBase):
+    """The jitted on-device step (stages 0–3, optimizer offload to host memory, fused Adam):
+    ``state, metrics = step(state, batch)``; ``step.lower(state, batch)``.
+
+    Calling it checks the batch and the state against the plan first (clear errors instead
+    of traces from inside jax) and raises on the host for errors the step reports:
+    ``NonFiniteError`` (fp32) and ``LossScaleError`` (fp16 overflow at the minimum scale);
+    the exception's ``.state`` holds the returned (unchanged) state, so nothing is lost.
+    """
+
+    def __init__(self, jitted, plan: ZeroPlan, check_errors: bool = True):
+        self.jitted = jitted
+        self.plan = plan
+        self.check_errors = check_errors
+
+    def lower(self, state, batch):
+        self._check(state, batch)
+        return self.jitted.lower(state, batch)
+
+    def __call__(self, state: TrainState, batch):
+        self._check(state, batch)
+        new_state, metrics = self.jitted(state, batch)  # ``state`` is donated: read only new_state now
+        self._report(new_state, metrics)
+        return new_state, metrics
+
+
+# XLA options that let collectives run asynchronously and overlap the compute around them
+# (the GPU backend's latency-hiding scheduler, and loop pipelining that issues the next
+# iteration's all-gather / reduce-scatter during the current one: prefetch across layers).
+OVERLAP_OPTIONS = {
+    "gpu": {
+        "xla_gpu_enable_latency_hiding_scheduler": True,
+        "xla_gpu_enable_pipelined_all_gather": True,
+        "xla_gpu_enable_pipelined_reduce_scatter": True,
+        "xla_gpu_enable_pipelined_all_reduce": True,
+    },
+}
+
+
+def compiler_options(plan: ZeroPlan, platform: str):
+    """XLA options for ``overlap_comm`` on ``platform`` (None where collectives are synchronous)."""
+    if not plan.config.overlap:
+        return None
+    return OVERLAP_OPTIONS.get(platform)
+
+
+def build_device_step(loss_fn: Callable, state: TrainState, *, has_aux: bool = False, donate: bool = True,
+                      check_errors: bool = True, fused_adam: bool = False, fused_block_size: int = 4096) -> TrainStep:
+    """The jitted step for ``state``'s plan (see :func:`zerojax.make_train_step`)."""
+    plan = state.plan
+    fn = _update_fn(loss_fn, plan, state.tx, has_aux, fused_adam, fused_block_size)
+    shardings = state.shardings
+    batch_sharding = NamedSharding(plan.mesh, P(plan.data_axis))
+    rep = NamedSharding(plan.mesh, P())
+    metric_sh = {k: rep for k in METRIC_KEYS}
+    options = compiler_options(plan, plan.mesh.devices.flat[0].platform)
+    jitted = jax.jit(
+        fn,
+        in_shardings=(shardings, batch_sharding),
+        out_shardings=(shardings, metric_sh),
+        donate_argnums=(0,) if donate else (),
+        **({"compiler_options": options} if options else {}),
+    )
+    return TrainStep(jitted, plan, check_errors)

@@ -16,7 +16,9 @@ split along its 768 columns and nothing is replicated for not dividing.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import warnings
 from typing import Any, Optional, Tuple
 
 import jax
@@ -26,7 +28,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zerojax.config import ZeroConfig
-from zerojax.errors import ConfigError
+from zerojax.errors import ConfigError, IgnoredKeysWarning
 from zerojax.precision import compute_dtype
 
 DEVICE = "device"
@@ -137,6 +139,35 @@ def _memory_kind(offloaded: bool, pin: bool) -> str:
     return "pinned_host" if pin else "unpinned_host"
 
 
+def _check_ratio(config: ZeroConfig) -> None:
+    """offload_ratio < 1 splits the optimizer state between host and device memory: only the
+    in-step host update (offload_optimizer="cpu", no ZenFlow) can update such a split."""
+    r = config.offload_ratio
+    if r >= 1:
+        return
+    if config.offload_optimizer != "cpu" or config.zenflow:
+        where = ("ZenFlow keeps the optimizer state itself" if config.zenflow and config.offload_optimizer == "cpu"
+                 else f"offload_optimizer={config.offload_optimizer!r}")
+        raise ConfigError(
+            f"ZeroConfig.offload_ratio={r!r} (zero_optimization.offload_optimizer.ratio) needs "
+            f'offload_optimizer="cpu" without zenflow, but {where}: the ratio is the share of the optimizer '
+            f'state kept in host memory. Fix: use offload_ratio 1.0, or offload_optimizer="cpu"')
+
+
+def host_share(sizes, ratio: float) -> list:
+    """Which items go to the host so that their share of ``sum(sizes)`` is as close to ``ratio``
+    as whole items allow: largest first (ties in the given order), an item is taken when it
+    brings the host total closer to ``ratio * total``. Deterministic; ratio 1 takes everything."""
+    if ratio >= 1:
+        return [True] * len(sizes)
+    target = ratio * sum(sizes)
+    taken, host = [False] * len(sizes), 0
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        if abs(host + sizes[i] - target) < abs(host - target):
+            taken[i], host = True, host + sizes[i]
+    return taken
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class ZeroPlan:
     """Per-leaf layouts of params, gradients and optimizer state for one stage."""
@@ -157,6 +188,11 @@ class ZeroPlan:
                 f"to one of {mesh.axis_names}."
             )
         n = mesh.shape[data_axis]
+        _check_ratio(config)
+        if config.stage == 3 and not config.reduce_scatter:
+            warnings.warn("zerojax accepts but ignores reduce_scatter=False (zero_optimization.reduce_scatter) "
+                          "at stage 3, as DeepSpeed does: stage-3 gradients are always reduce-scattered. "
+                          "Drop the key, or use stage 1 or 2 to all-reduce them", IgnoredKeysWarning, stacklevel=2)
         leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
         if param_specs is not None:
             spec_leaves = treedef.flatten_up_to(param_specs)
@@ -249,7 +285,82 @@ class ZeroPlan:
 
     @property
     def opt_memory_kind(self) -> str:
+        """The memory kind of offloaded optimizer state (and of the leaves no param owns: counts,
+        schedule state); with ``offload_ratio`` < 1 only some params' state is offloaded
+        (:meth:`opt_leaf_memory_kind`)."""
         return _memory_kind(self.config.offload_optimizer is not None, self.config.pin_memory)
+
+    # ------------------------------------------------------ offload_ratio: the split
+    def opt_elements(self, lay: LeafLayout) -> int:
+        """Elements of one optimizer-state copy of ``lay`` (its fp32 master) on each device."""
+        split = self.n if self.opt_partitioned(lay) else 1
+        for entry in lay.base_spec:
+            for name in (entry if isinstance(entry, tuple) else (entry,) if entry else ()):
+                split *= self.mesh.shape[name]
+        return -(-math.prod(self.master_shape(lay)) // split)
+
+    @functools.cached_property
+    def offloaded_paths(self) -> frozenset:
+        """Paths of the params whose fp32 master and optimizer state live in host memory.
+
+        ``offload_optimizer`` set and ``offload_ratio`` 1: every param. ``offload_ratio`` r < 1
+        (stage 3, DeepSpeed's partial offload): the split is per leaf, whole leaves only,
+        chosen by :func:`host_share` so that the host's share of the per-device optimizer-state
+        elements is as close to r as whole leaves allow; the others stay in device memory
+        and are updated there, in the same step."""
+        if self.config.offload_optimizer is None:
+            return frozenset()
+        lays = self.leaves
+        taken = host_share([self.opt_elements(lay) for lay in lays], self.config.offload_ratio)
+        return frozenset(lay.path for lay, t in zip(lays, taken) if t)
+
+    def opt_on_host(self, lay: LeafLayout) -> bool:
+        """Whether ``lay``'s master and optimizer state live (and are updated) on the host."""
+        return lay.path in self.offloaded_paths
+
+    def opt_leaf_memory_kind(self, lay: LeafLayout) -> str:
+        return self.opt_memory_kind if self.opt_on_host(lay) else DEVICE
+
+    @property
+    def partial_offload(self) -> bool:
+        """Whether the optimizer state is split: some params' state on the host, some on the device."""
+        return 0 < len(self.offloaded_paths) < len(self.leaves)
+
+    @property
+    def host_fraction(self) -> float:
+        """The host's share of the per-device optimizer-state elements (the realised offload ratio)."""
+        sizes = [(self.opt_elements(lay), self.opt_on_host(lay)) for lay in self.leaves]
+        total = sum(e for e, _ in sizes)
+        return sum(e for e, h in sizes if h) / total if total else 0.0
+
+    def share(self, tree, host: bool):
+        """A params-structured tree with the other side's leaves replaced by None (optax's
+        idiom for params it does not update)."""
+        return self.map(lambda lay, x: x if self.opt_on_host(lay) == host else None, tree)
+
+    def merge(self, host_tree, device_tree):
+        """The two sides of ``share`` put back together."""
+        return self.map(lambda lay, h, d: h if self.opt_on_host(lay) else d, host_tree, device_tree)
+
+    def _opt_sides(self, opt_state, stored: bool) -> list:
+        """Per optimizer leaf: True (host side), False (device side) or None (no param owns it)."""
+        return [None if lay is None else self.opt_on_host(lay)
+                for lay in self.opt_leaf_layouts(opt_state, stored=stored)]
+
+    def opt_share(self, opt_state, host: bool):
+        """``opt_state`` with the other side's per-param leaves replaced by None; the leaves no
+        param owns (counts, schedule state) are kept on both sides."""
+        leaves, treedef = jax.tree_util.tree_flatten(opt_state)
+        sides = self._opt_sides(opt_state, stored=True)
+        return treedef.unflatten([x if side is None or side == host else None for x, side in zip(leaves, sides)])
+
+    def opt_merge(self, like, host_state, device_state):
+        """The two sides of ``opt_share`` of ``like`` put back together; the leaves no param owns
+        come from the host side (their home is host memory)."""
+        treedef = jax.tree_util.tree_structure(like)
+        sides = self._opt_sides(like, stored=True)
+        h, d = treedef.flatten_up_to(host_state), treedef.flatten_up_to(device_state)
+        return treedef.unflatten([dx if side is False else hx for hx, dx, side in zip(h, d, sides)])
 
     def _sharding(self, spec: P, kind: str) -> NamedSharding:
         if kind == DEVICE:
@@ -261,7 +372,8 @@ class ZeroPlan:
         return self._sharding(lay.spec(lay.params_partitioned, self.data_axis), self.param_memory_kind)
 
     def master_sharding(self, lay: LeafLayout) -> NamedSharding:
-        return self._sharding(lay.spec(self.opt_partitioned(lay), self.data_axis), self.opt_memory_kind)
+        """Where ``lay``'s fp32 master (and the optimizer state mirroring it) is stored."""
+        return self._sharding(lay.spec(self.opt_partitioned(lay), self.data_axis), self.opt_leaf_memory_kind(lay))
 
     def grad_sharding(self, lay: LeafLayout) -> NamedSharding:
         return NamedSharding(self.mesh, lay.spec(self.grad_partitioned(lay), self.data_axis))
@@ -342,13 +454,13 @@ class ZeroPlan:
         return NamedSharding(self.mesh, lay.spec(self.opt_partitioned(lay), self.data_axis))
 
     def _to_update(self, lay: Optional[LeafLayout], x):
-        if lay is None or not self.opt_partitioned(lay):
+        if x is None or lay is None or not self.opt_partitioned(lay):
             return x
         # XLA splits the logical (unpadded) shape with the same tile size: no data moves
         return jax.lax.with_sharding_constraint(self.unpad(x, lay), self.update_sharding(lay))
 
     def _to_storage(self, lay: Optional[LeafLayout], x):
-        if lay is None or not self.opt_partitioned(lay):
+        if x is None or lay is None or not self.opt_partitioned(lay):
             return x
         return self.pad(x, lay)
 
@@ -419,8 +531,12 @@ class ZeroPlan:
     def describe(self) -> str:
         """A table: one line per leaf with its shape, split dim, padding and per-stage placement."""
         rows = [f"ZeroPlan stage {self.stage} over {self.n} devices ({self.config.precision})"]
+        if self.config.offload_optimizer is not None:
+            rows[0] += (f", optimizer state offloaded: {self.host_fraction:.3f} of its elements in host memory "
+                        f"(offload_ratio {self.config.offload_ratio:g})")
         for lay in self.leaves:
             where = "params split" if lay.params_partitioned else "params whole"
             split = "-" if lay.axis is None else f"dim {lay.axis}" + (f" +{lay.pad} pad" if lay.pad else "")
-            rows.append(f"  {lay.path:<40} {str(lay.shape):<18} {split:<16} {where}")
+            opt = f"  opt state {'host' if self.opt_on_host(lay) else 'device'}" if self.config.offload_optimizer else ""
+            rows.append(f"  {lay.path:<40} {str(lay.shape):<18} {split:<16} {where}{opt}")
         return "\n".join(rows)

@@ -151,6 +151,14 @@ def bucketed_reduce_scatter(grads, lays, axis_name: str, n: int, bucket_size: in
     return out
 
 
+def bucketed_all_reduce_slice(grads, lays, axis_name: str, n: int, bucket_size: int):
+    """Whole local gradients -> this device's shards of their sums, like
+    :func:`bucketed_reduce_scatter` but through one all-reduce per bucket of at most
+    ``bucket_size`` elements, each device then keeping its own partition."""
+    summed = bucketed_all_reduce(grads, lays, axis_name, bucket_size)
+    return [local_slice(x, lay, axis_name, n) for x, lay in zip(summed, lays)]
+
+
 def bucketed_gather(shards, lays, axis_name: str, n: int, bucket_size: int):
     """This device's shards -> whole (unpadded) leaves, one all-gather per bucket."""
     out = [None] * len(shards)

@@ -9,6 +9,10 @@ stage's:
     stage 2  a reduce-scatter per micro-batch into the local partition       GAS·Ψ
     stage 3  params all-gathered per micro-batch; the gather's transpose is
              a reduce-scatter per micro-batch                                GAS·(Ψ + Ψ)
+
+With ``reduce_scatter=False`` (DeepSpeed's ``zero_optimization.reduce_scatter``) stages 1 and 2
+all-reduce those gradients instead (same buckets, 2Ψ per reduction) and each device keeps its
+own partition; stage 3 always reduce-scatters, as in DeepSpeed (ZeroPlan warns).
 """
 from __future__ import annotations
 
@@ -51,9 +55,13 @@ def grads_fn(loss_fn: Callable, plan: ZeroPlan, has_aux: bool = False):
     def per_micro(lay):  # reduce this leaf's gradient after every micro-batch?
         return not lay.params_partitioned and plan.stage >= 2 and plan.grad_partitioned(lay)
 
+    # reduce_scatter=False: all-reduce, then keep the local partition (stage 3 ignores the key)
+    scatter = C.bucketed_reduce_scatter if cfg.reduce_scatter or plan.stage == 3 else C.bucketed_all_reduce_slice
+
     def reduce_some(tree, select):
-        """Reduce-scatter the leaves ``select`` picks, in buckets of reduce_bucket_size."""
-        return C.on_selected(plan, tree, select, lambda lays, xs: C.bucketed_reduce_scatter(
+        """Reduce the leaves ``select`` picks into this device's partitions, in buckets of
+        reduce_bucket_size."""
+        return C.on_selected(plan, tree, select, lambda lays, xs: scatter(
             xs, lays, axis, n, int(cfg.reduce_bucket_size)))
 
     def all_reduce_some(tree, select):
@@ -89,7 +97,7 @@ def grads_fn(loss_fn: Callable, plan: ZeroPlan, has_aux: bool = False):
         acc0 = plan.map(lambda lay: jnp.zeros(acc_shape(lay), f32))
         (acc, loss_sum), _ = jax.lax.scan(micro, (acc0, jnp.zeros((), f32)), (mbs, jnp.arange(gas)))
 
-        def at_end_rs(lay):  # stage 1: one reduce-scatter per optimizer step
+        def at_end_rs(lay):  # stage 1: one reduce-scatter (or all-reduce) per optimizer step
             return not lay.params_partitioned and not per_micro(lay) and plan.grad_partitioned(lay)
 
         def at_end_ar(lay):  # stage 0 (and leaves that cannot be split): one all-reduce

@@ -32,7 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from zerojax.offload.host_adam import HostAdamW, host_zeros
+from zerojax.offload.host_adam import HostAdamW
+from zerojax.offload.host_buffers import host_zeros
 
 BYTES_PER_PARAM = 28
 LR, WD = 1e-3, 0.01

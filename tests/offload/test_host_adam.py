@@ -7,7 +7,10 @@ import numpy as np
 import optax
 import pytest
 
-from zerojax.offload.host_adam import FlatLayout, HostAdamW, host_zeros
+from zerojax.offload.flat import FlatLayout
+from zerojax.offload.host_adam import HostAdamW, _narrow, _widen
+from zerojax.offload.host_buffers import host_zeros
+from zerojax.offload.threads import ThreadSplit
 
 BF16 = np.dtype(jnp.bfloat16)
 
@@ -231,10 +234,8 @@ def test_compiled_step_split_with_the_numpy_path(monkeypatch):
 
 
 def test_split_controller_follows_throughput():
-    from zerojax.offload.host_adam import _Split
-
-    assert _Split(0).share() == 0.0
-    split = _Split(1)
+    assert ThreadSplit(0).share() == 0.0
+    split = ThreadSplit(1)
     assert split.share() == 0.0  # first an XLA-only step to measure
     split.record(0.0, 1.0, 0.1, True, 900, 100)
     share = split.share()
@@ -327,8 +328,6 @@ def test_host_zeros():
 
 
 def test_compiled_16bit_rounding_matches_numpy_casts():
-    from zerojax.offload.host_adam import _narrow, _widen
-
     specials = np.array([np.nan, -np.nan, np.inf, -np.inf, 0.0, -0.0, 1e-45, -1e-40, 6e-8,
                          3.4028235e38, 3.3961776e38, 65504.0, 65520.0, 1.0 + 2.0**-8,
                          1.0 + 3 * 2.0**-8, 1.0 + 2.0**-11, -(1.0 + 2.0**-11)], np.float32)

@@ -37,13 +37,13 @@ ways from where the buffers live:
   of the compiled loop.
 
 Both widen 16-bit gradients and narrow the 16-bit copy of the params (round to nearest
-even, as numpy's casts) in the same pass. ``FlatLayout`` packs a whole params tree into
-one contiguous buffer per dtype and hands the leaves back as zero-copy views, so the
-optimizer sees a single flat buffer.
+even, as numpy's casts) in the same pass. ``FlatLayout`` (:mod:`zerojax.offload.flat`)
+packs a whole params tree into one contiguous buffer per dtype and hands the leaves back as
+zero-copy views, so the optimizer sees a single flat buffer; ``host_zeros`` is in
+:mod:`zerojax.offload.host_buffers` and the thread split in :mod:`zerojax.offload.threads`.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 import os
@@ -56,12 +56,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-__all__ = ["FlatLayout", "HostAdamW", "host_zeros"]
+from zerojax.offload.host_buffers import BF16, F16, F32, U16, cpu_device, host_buffer_of, host_zeros
+from zerojax.offload.threads import ThreadSplit
 
-_F32 = np.dtype(np.float32)
-_F16 = np.dtype(np.float16)
-_BF16 = np.dtype(jnp.bfloat16)
-_U16 = np.dtype(np.uint16)  # raw bfloat16 bits
+__all__ = ["HostAdamW"]
+
 # Thread slices start on 64-byte boundaries so every chunk stays SIMD-aligned.
 _ALIGN = 16
 # XLA:CPU reads a numpy buffer in place only from a 64-byte aligned address.
@@ -71,85 +70,33 @@ _MAX_COMPILED_ELEMENTS = 2**31 - 1
 
 
 def _kind16(a: np.ndarray, name: str) -> str:
-    if a.dtype == _F32 and name == "grads":
+    if a.dtype == F32 and name == "grads":
         return "f32"
-    if a.dtype in (_BF16, _U16):
+    if a.dtype in (BF16, U16):
         return "bf16"
-    if a.dtype == _F16:
+    if a.dtype == F16:
         return "f16"
     allowed = "float32, bfloat16, float16 or uint16" if name == "grads" else \
         "bfloat16, float16 or uint16 (bfloat16 bits)"
     raise TypeError(f"HostAdamW: {name} has dtype {a.dtype}; expected {allowed}.")
 
 
-def _storage_kind(dtype) -> str | None:
-    dt = np.dtype(dtype)
-    return {_F32: "f32", _BF16: "bf16", _U16: "bf16", _F16: "f16"}.get(dt)
 
+def _check_flat(a: Any, name: str, n: int, dtype: np.dtype | None = None,
+                writable: bool = False) -> None:
+    if not isinstance(a, np.ndarray):
+        raise TypeError(f"HostAdamW: {name} must be a numpy array (got {type(a).__name__}); "
+                        "convert a jax array with np.asarray and keep the result.")
+    if a.ndim != 1 or a.size != n or not a.flags.c_contiguous:
+        raise ValueError(f"HostAdamW: {name} must be a flat contiguous array of {n} elements, "
+                         f"got shape {a.shape} (contiguous={a.flags.c_contiguous}); "
+                         "pass x.reshape(-1) of a contiguous buffer.")
+    if dtype is not None and a.dtype != dtype:
+        raise TypeError(f"HostAdamW: {name} must be {dtype}, got {a.dtype}.")
+    if writable and not a.flags.writeable:
+        raise ValueError(f"HostAdamW: {name} is read-only (np.asarray of a jax array is); "
+                         "updates happen in place, so pass a writable copy (np.array(x)).")
 
-class _HostBuffer:
-    """Owns one jax array on the CPU backend and lends its memory to numpy.
-
-    numpy reads the address through ``__array_interface__``, and every numpy array
-    viewing the memory keeps this object (hence the jax array) alive through its
-    ``base`` chain. The compiled step donates ``array`` and keeps the result, which XLA
-    wrote into the same memory; ``ptr`` never changes. 16-bit buffers are uint16 to
-    XLA (``kind`` says which format the bits hold): XLA:CPU would otherwise widen a
-    whole bfloat16 buffer to fp32 around every block update.
-    """
-
-    def __init__(self, array: jax.Array, kind: str):
-        self.array, self.kind = array, kind
-        self.ptr = array.unsafe_buffer_pointer()
-        self.nbytes = int(array.nbytes)
-        self.__array_interface__ = {"data": (self.ptr, False), "shape": tuple(array.shape),
-                                    "typestr": np.dtype(array.dtype).str, "version": 3}
-
-
-def _cpu_device():
-    return jax.devices("cpu")[0]
-
-
-def host_zeros(n: int, dtype: Any = np.float32) -> np.ndarray:
-    """A zeroed, writable, flat numpy array whose memory jax owns (on the CPU backend).
-
-    ``HostAdamW.step`` updates params, m, v (and ``out16``) allocated here with its
-    compiled path, in place; to numpy they are ordinary arrays (slices, views, pickling
-    and ``np.copyto`` work as usual). The memory lives as long as any array viewing it.
-    Only the optimizer's compiled step hands the underlying jax array to XLA; do not
-    write into the buffer while a ``step`` on it is running.
-
-    ``dtype``: float32, bfloat16, float16 or uint16 (bfloat16 bits). Works when the
-    default backend is a GPU: the buffer is placed on ``jax.devices("cpu")[0]``.
-    """
-    dt = np.dtype(dtype)
-    kind = _storage_kind(dt)
-    if kind is None:
-        raise TypeError(f"host_zeros: dtype {dt} is not supported; use float32, bfloat16, "
-                        "float16 or uint16.")
-    # jnp.zeros, not device_put of a numpy array: device_put may wrap the numpy memory
-    # without copying, and XLA does not write in place into memory it does not own.
-    array = jnp.zeros((int(n),), _F32 if kind == "f32" else _U16, device=_cpu_device())
-    return np.asarray(_HostBuffer(array, kind)).view(dt)
-
-
-def _host_buffer_of(a: np.ndarray) -> _HostBuffer | None:
-    """The ``_HostBuffer`` whose whole memory ``a`` covers exactly, if any."""
-    base = a
-    while isinstance(base, np.ndarray):
-        base = base.base
-    if isinstance(base, _HostBuffer) and a.ctypes.data == base.ptr and a.nbytes == base.nbytes:
-        return base
-    return None
-
-
-def _host_or_numpy(n: int, dtype) -> np.ndarray:
-    if _storage_kind(dtype) is not None and np.dtype(dtype) != _U16:
-        try:
-            return host_zeros(n, dtype)
-        except RuntimeError:  # no CPU backend in this process
-            pass
-    return np.zeros(n, dtype)
 
 
 def _widen(g: jax.Array, kind: str) -> jax.Array:
@@ -213,9 +160,9 @@ def _compiled_step(head: int, block: int, gkind: str, okind: str | None):
 def _in_place_ok() -> bool:
     """Whether this jax writes the compiled step's results into the donated memory."""
     bufs = [host_zeros(40) for _ in range(3)]
-    holders = [_host_buffer_of(b) for b in bufs]
-    g = jnp.ones((40,), jnp.float32, device=_cpu_device())
-    s = jax.device_put(np.ones(8, np.float32), _cpu_device())
+    holders = [host_buffer_of(b) for b in bufs]
+    g = jnp.ones((40,), jnp.float32, device=cpu_device())
+    s = jax.device_put(np.ones(8, np.float32), cpu_device())
     out = _compiled_step(0, 16, "f32", None)(holders[0].array, g, holders[1].array,
                                              holders[2].array, None, s, np.int32(2))
     jax.block_until_ready(out)
@@ -225,71 +172,6 @@ def _in_place_ok() -> bool:
     # Only read the numpy views when XLA wrote into their memory.
     return in_place and bool(np.all(bufs[1][:32] == 1.0)) and not bufs[1][32:].any()
 
-
-class _Split:
-    """How much of a compiled step the numpy path takes, adapted from step to step.
-
-    XLA runs the compiled kernel on one core. ``helpers`` more threads can meanwhile
-    update the last blocks on the numpy path: that pays when cores are free and costs
-    when they are not, since the numpy path needs about twice the CPU time per element.
-    Each split step moves ``fraction`` toward equal finishing times. The throughput of
-    split and of XLA-only steps is tracked; splitting is used when it is ``MARGIN``
-    faster (it spends more CPU time), and the other choice is retried every ``EXPLORE``
-    steps, so a change of load on the machine is noticed.
-    """
-
-    EXPLORE = 16
-    MARGIN = 1.05
-
-    def __init__(self, helpers: int):
-        self.helpers = helpers
-        self.fraction = helpers / (helpers + 2.0)  # XLA's core ~ two numpy threads
-        self.rate = {False: None, True: None}  # elements/s: XLA-only, split
-        self.steps = 0
-
-    def share(self) -> float:
-        """Fraction of the whole blocks the numpy path takes in this step."""
-        if not self.helpers:
-            return 0.0
-        self.steps += 1
-        solo, split = self.rate[False], self.rate[True]
-        if solo is None or split is None:
-            use = solo is not None
-        else:
-            use = (split > self.MARGIN * solo) != (self.steps % self.EXPLORE == 0)
-        return self.fraction if use else 0.0
-
-    def record(self, share: float, seconds: float, numpy_seconds: float, xla_last: bool,
-               xla_elements: int, numpy_elements: int) -> None:
-        split = share > 0
-        rate = (xla_elements + numpy_elements) / seconds
-        old = self.rate[split]
-        self.rate[split] = rate if old is None else 0.5 * (old + rate)
-        if not split:
-            return
-        if xla_last:  # both rates are known: aim at equal finishing times
-            numpy_rate = numpy_elements / max(numpy_seconds, 1e-9)
-            xla_rate = xla_elements / seconds
-            target = numpy_rate / (numpy_rate + xla_rate)
-        else:  # XLA waited for the numpy path
-            target = 0.8 * share
-        self.fraction = min(0.9, max(0.02, 0.5 * (share + target)))
-
-
-def _check_flat(a: Any, name: str, n: int, dtype: np.dtype | None = None,
-                writable: bool = False) -> None:
-    if not isinstance(a, np.ndarray):
-        raise TypeError(f"HostAdamW: {name} must be a numpy array (got {type(a).__name__}); "
-                        "convert a jax array with np.asarray and keep the result.")
-    if a.ndim != 1 or a.size != n or not a.flags.c_contiguous:
-        raise ValueError(f"HostAdamW: {name} must be a flat contiguous array of {n} elements, "
-                         f"got shape {a.shape} (contiguous={a.flags.c_contiguous}); "
-                         "pass x.reshape(-1) of a contiguous buffer.")
-    if dtype is not None and a.dtype != dtype:
-        raise TypeError(f"HostAdamW: {name} must be {dtype}, got {a.dtype}.")
-    if writable and not a.flags.writeable:
-        raise ValueError(f"HostAdamW: {name} is read-only (np.asarray of a jax array is); "
-                         "updates happen in place, so pass a writable copy (np.array(x)).")
 
 
 class HostAdamW:
@@ -335,12 +217,12 @@ class HostAdamW:
         self.chunk_elements = int(chunk_elements)
         self.compiled = bool(compiled)
         self.block_elements = int(block_elements)
-        self._split = _Split(max(self.num_threads - 1, 0))
+        self._split = ThreadSplit(max(self.num_threads - 1, 0))
         self._compiled: set = set()
         c = self.chunk_elements
         # Per-thread scratch: two fp32 temporaries and one 32-bit word buffer used for
         # the widened gradient and for bit-level 16-bit conversions.
-        self._scratch = [(np.empty(c, _F32), np.empty(c, _F32), np.empty(c, np.uint32))
+        self._scratch = [(np.empty(c, F32), np.empty(c, F32), np.empty(c, np.uint32))
                          for _ in range(self.num_threads)]
         self._pool = ThreadPoolExecutor(self.num_threads, thread_name_prefix="host-adamw") \
             if self.num_threads > 1 else None
@@ -367,9 +249,9 @@ class HostAdamW:
             updated params, rounded to nearest even.
         """
         n = params.size if isinstance(params, np.ndarray) else -1
-        _check_flat(params, "params", n, _F32, writable=True)
-        _check_flat(m, "m", n, _F32, writable=True)
-        _check_flat(v, "v", n, _F32, writable=True)
+        _check_flat(params, "params", n, F32, writable=True)
+        _check_flat(m, "m", n, F32, writable=True)
+        _check_flat(v, "v", n, F32, writable=True)
         _check_flat(grads, "grads", n)
         gkind = _kind16(grads, "grads")
         okind = None
@@ -400,8 +282,8 @@ class HostAdamW:
 
     # -- internals ---------------------------------------------------------------------
     def _numpy_args(self, params, grads, m, v, out16, gkind, okind, coefs):
-        return (params, grads.view(_U16) if gkind == "bf16" else grads, m, v,
-                out16.view(_BF16) if okind == "bf16" else out16, gkind, okind, coefs)
+        return (params, grads.view(U16) if gkind == "bf16" else grads, m, v,
+                out16.view(BF16) if okind == "bf16" else out16, gkind, okind, coefs)
 
     def _run_parts(self, parts, args) -> None:
         """Runs (thread id, lo, hi) ranges of the numpy path, in the pool when several."""
@@ -423,25 +305,25 @@ class HostAdamW:
         n = params.size
         if not 0 < n <= _MAX_COMPILED_ELEMENTS:
             return False
-        owners = [_host_buffer_of(a) for a in (params, m, v)]
+        owners = [host_buffer_of(a) for a in (params, m, v)]
         if out16 is not None:
-            owners.append(_host_buffer_of(out16))
+            owners.append(host_buffer_of(out16))
             if owners[-1] is not None and owners[-1].kind != okind:
                 return False
         if any(o is None for o in owners) or len({id(o) for o in owners}) != len(owners) \
                 or not _in_place_ok():
             return False
-        g_owner = _host_buffer_of(grads)
+        g_owner = host_buffer_of(grads)
         if g_owner is not None and g_owner.kind == gkind and all(g_owner is not o for o in owners):
             g, head = g_owner.array, 0
         else:
-            g_np = grads if gkind == "f32" else grads.view(_U16)
+            g_np = grads if gkind == "f32" else grads.view(U16)
             ptr, size = g_np.ctypes.data, g_np.itemsize
             if ptr % size:
                 return False
             head = min((-ptr) % _XLA_ALIGN_BYTES // size, n)
             # device_put of an aligned numpy array wraps its memory: no copy.
-            g = jax.device_put(g_np[head:], _cpu_device()) if head < n else None
+            g = jax.device_put(g_np[head:], cpu_device()) if head < n else None
         block = self.block_elements
         whole = (n - head) // block
         helpers = self.num_threads - 1 if self._pool is not None else 0
@@ -453,7 +335,7 @@ class HostAdamW:
         start = time.perf_counter()
         out = None
         if blocks:
-            s = jax.device_put(np.array(coefs[:7] + (0.0,), _F32), _cpu_device())
+            s = jax.device_put(np.array(coefs[:7] + (0.0,), F32), cpu_device())
             fn = _compiled_step(head, block, gkind, okind)
             o16 = owners[3].array if out16 is not None else None
             out = fn(owners[0].array, g, owners[1].array, owners[2].array, o16, s,
@@ -524,9 +406,9 @@ class HostAdamW:
                 # bf16 -> f32 is exact: the bf16 bits are the high half of the f32 word.
                 np.copyto(w, grads[a:b], casting="unsafe")
                 np.left_shift(w, 16, out=w)
-                g = w.view(_F32)
+                g = w.view(F32)
             else:
-                g = w.view(_F32)
+                g = w.view(F32)
                 np.copyto(g, grads[a:b], casting="same_kind")
             # m = b1*m + (1-b1)*s*g
             mul(g, c1, t1)
@@ -548,86 +430,3 @@ class HostAdamW:
             if okind is not None:
                 # numpy/ml_dtypes casts round to nearest even and keep NaN/Inf intact.
                 np.copyto(out16[a:b], p, casting="same_kind")
-
-
-@dataclasses.dataclass(frozen=True)
-class FlatLayout:
-    """Where each leaf of a tree sits inside one flat buffer per dtype.
-
-    Leaves keep their own dtype (or all are cast to ``dtype`` when given); leaves of
-    one dtype are laid end to end in tree-flatten order::
-
-        layout = FlatLayout.from_tree(params, dtype=np.float32)
-        bufs = layout.flatten(params)            # {'float32': 1-D buffer}
-        master = bufs["float32"]                 # what HostAdamW updates in place
-        tree = layout.unflatten(bufs)            # zero-copy views shaped like params
-    """
-
-    treedef: Any
-    shapes: tuple  # per leaf, in flatten order
-    dtypes: tuple  # per leaf: dtype name of the buffer it lives in
-    offsets: tuple  # per leaf: first element inside its dtype's buffer
-    sizes: dict  # dtype name -> total elements of that buffer
-
-    @classmethod
-    def from_tree(cls, tree: Any, dtype: Any = None) -> FlatLayout:
-        leaves, treedef = jax.tree.flatten(tree)
-        shapes, dtypes, offsets, sizes = [], [], [], {}
-        for leaf in leaves:
-            src = leaf.dtype if hasattr(leaf, "dtype") else np.asarray(leaf).dtype
-            dt = jnp.dtype(dtype if dtype is not None else src).name
-            shape = tuple(np.shape(leaf))
-            offsets.append(sizes.get(dt, 0))
-            sizes[dt] = sizes.get(dt, 0) + math.prod(shape)
-            shapes.append(shape)
-            dtypes.append(dt)
-        return cls(treedef, tuple(shapes), tuple(dtypes), tuple(offsets), sizes)
-
-    def empty(self) -> dict:
-        """Fresh zeroed buffers, one per dtype.
-
-        float32, bfloat16 and float16 buffers come from ``host_zeros``, so ``HostAdamW``
-        updates them with its compiled step; other dtypes are plain numpy arrays.
-        """
-        return {dt: _host_or_numpy(n, jnp.dtype(dt)) for dt, n in self.sizes.items()}
-
-    def flatten(self, tree: Any, out: dict | None = None) -> dict:
-        """Copies the leaves of ``tree`` into (new or given) flat buffers."""
-        leaves = self.treedef.flatten_up_to(tree)
-        bufs = self.empty() if out is None else out
-        for leaf, shape, dt, off in zip(leaves, self.shapes, self.dtypes, self.offsets):
-            if tuple(np.shape(leaf)) != shape:
-                raise ValueError(f"FlatLayout.flatten: leaf has shape {np.shape(leaf)}, "
-                                 f"layout expects {shape}; rebuild the layout for this tree.")
-            size = math.prod(shape)
-            np.copyto(bufs[dt][off:off + size], np.asarray(leaf).reshape(-1),
-                      casting="same_kind")
-        return bufs
-
-    def unflatten(self, buffers: dict) -> Any:
-        """The tree as zero-copy, reshaped views into ``buffers``."""
-        return self.treedef.unflatten([self._leaf(buffers[dt], shape, off)
-                                       for shape, dt, off in zip(self.shapes, self.dtypes, self.offsets)])
-
-    def views(self, flat: np.ndarray) -> Any:
-        """For a layout of one dtype: the tree as zero-copy views into ``flat``, any buffer of
-        ``total`` elements whatever its element type (the same offsets serve the fp32 state,
-        the 16-bit gradients and the 16-bit params)."""
-        if len(self.sizes) != 1 or flat.size != self.total:
-            raise ValueError(f"FlatLayout.views: needs a layout of one dtype (got {sorted(self.sizes)}) and a "
-                             f"flat buffer of {self.total} elements (got {flat.size}).")
-        return self.treedef.unflatten([self._leaf(flat, shape, off) for shape, off in zip(self.shapes, self.offsets)])
-
-    def fill(self, flat: np.ndarray, leaves) -> np.ndarray:
-        """Copies ``leaves`` (flatten order) into ``flat`` through :meth:`views`; returns ``flat``."""
-        for view, leaf in zip(jax.tree.leaves(self.views(flat)), leaves):
-            np.copyto(view, np.asarray(leaf), casting="same_kind")
-        return flat
-
-    @property
-    def total(self) -> int:
-        return sum(self.sizes.values())
-
-    @staticmethod
-    def _leaf(buf: np.ndarray, shape, off: int) -> np.ndarray:
-        return buf[off:off + math.prod(shape)].reshape(shape)

@@ -21,7 +21,8 @@ import numpy as np
 
 from zerojax.contract import NON_FINITE, OK, StepBase
 from zerojax.errors import ConfigError
-from zerojax.offload.host_adam import FlatLayout, HostAdamW
+from zerojax.offload.flat import FlatLayout
+from zerojax.offload.host_adam import HostAdamW
 from zerojax.offload.nvme import NvmeOptimizerStore, _validate_dir
 from zerojax.precision import global_norm, tree_all_finite
 from zerojax.state import TrainState

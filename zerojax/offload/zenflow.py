@@ -54,7 +54,9 @@ from jax.sharding import PartitionSpec as P
 
 from zerojax.config.checks import zenflow_block
 from zerojax.errors import ConfigError
-from zerojax.offload.host_adam import FlatLayout, HostAdamW, host_zeros
+from zerojax.offload.flat import FlatLayout
+from zerojax.offload.host_adam import HostAdamW
+from zerojax.offload.host_buffers import host_zeros
 from zerojax.precision import global_norm, tree_all_finite
 from zerojax.state import TrainState
 from zerojax.contract import NON_FINITE, OK, StepBase, check_state

@@ -92,8 +92,9 @@ class AutotuneResult:
             mark = "*" if r is b else " "
             fits = {True: "yes", False: "no", None: "?"}[r.fits]
             lines.append(f"{mark} {r.stage:>5}  {r.offload:<15}{r.micro_batch:>6}{r.gradient_accumulation_steps:>5}"
-                         f"{size_text(r.peak_bytes):>13}{size_text(r.host_bytes):>13}{fits:>6}{num(r.est_seconds, '.4g'):>12}"
-                         f"{num(r.measured_seconds, '.4g'):>10}{num(r.samples_per_second, ',.1f'):>12}  {r.reason}")
+                         f"{size_text(r.peak_bytes):>13}{size_text(r.host_bytes):>13}{fits:>6}"
+                         f"{num(r.est_seconds, '.4g'):>12}{num(r.measured_seconds, '.4g'):>10}"
+                         f"{num(r.samples_per_second, ',.1f'):>12}  {r.reason}")
         if b is None:
             lines.append("best: nothing fits")
         else:

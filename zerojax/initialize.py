@@ -212,6 +212,9 @@ def initialize(
     optimizer: Optional[optax.GradientTransformation] = None,
     param_specs=None,
     has_aux: bool = False,
+    donate: bool = True,
+    check_errors: bool = True,
+    fused_adam: bool = False,
 ) -> tuple[TrainState, GlobalBatchStep]:
     """Build ``(state, step)`` from a config, ready to train.
 
@@ -236,8 +239,10 @@ def initialize(
     4. otherwise a ConfigError saying to add an "optimizer" block or pass training_args.
 
     ``params_or_init_fn``, ``rng`` and ``param_specs`` are passed to
-    :func:`~zerojax.state.shard_train_state`; ``loss_fn`` and ``has_aux`` to
-    :func:`~zerojax.step.make_train_step`. The step takes the *global* batch: when the config
+    :func:`~zerojax.state.shard_train_state`; ``loss_fn``, ``has_aux``, ``donate``,
+    ``check_errors`` and ``fused_adam`` to :func:`~zerojax.step.make_train_step`, which picks the
+    update path from the config (on device, offload, NVMe, ZenFlow); the returned step
+    implements :class:`zerojax.Step` whichever it is. The step takes the *global* batch: when the config
     sets ``train_batch_size`` every batch leaf must have that many rows (a ValueError names the
     expected leading dimension otherwise); metrics hold loss, grad_norm, learning_rate (the lr
     this step used; a skipped step does not advance the schedule), loss_scale and skipped.
@@ -250,5 +255,6 @@ def initialize(
     config = _resolve_config(config, mesh, training_args, hidden_size)
     tx = _optimizer(config, training_args, optimizer)
     state = shard_train_state(params_or_init_fn, tx, mesh=mesh, config=config, rng=rng, param_specs=param_specs)
-    step = make_train_step(loss_fn, state, has_aux=has_aux)
+    step = make_train_step(loss_fn, state, has_aux=has_aux, donate=donate, check_errors=check_errors,
+                           fused_adam=fused_adam)
     return state, GlobalBatchStep.wrap(step, config.train_batch_size)

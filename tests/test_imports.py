@@ -1,0 +1,105 @@
+"""The package's imports run one way: no module imports, directly or through others, a module
+that imports it back. Every import counts, function-local ones included."""
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1] / "zerojax"
+
+
+def module_name(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict:
+    files = {module_name(p): p for p in ROOT.rglob("*.py")}
+    graph = {}
+    for name, path in files.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                edges |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(up + ([base] if base else []))
+                # `from pkg import submodule` depends on the submodule; `from mod import name` on mod
+                edges |= {f"{base}.{a.name}" if f"{base}.{a.name}" in files else base for a in node.names}
+        graph[name] = {e for e in edges if e in files and e != name}
+    return graph
+
+
+def cycles(graph: dict) -> list:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_checker_finds_a_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_zerojax_has_no_import_cycle():
+    graph = import_graph()
+    assert len(graph) > 40 and "zerojax.step" in graph
+    found = cycles(graph)
+    detail = "\n".join(" <-> ".join(c) + "\n    " + "\n    ".join(f"{m} imports {sorted(graph[m] & set(c))}"
+                                                               for m in c) for c in found)
+    assert not found, f"import cycles:\n{detail}"
+
+
+def test_the_package_root_is_imported_by_no_module():
+    graph = import_graph()
+    # zerojax/__init__ imports everything: a module importing it back closes a cycle through it
+    offenders = sorted(m for m, deps in graph.items() if "zerojax" in deps and m != "zerojax")
+    assert not offenders, f"these modules import the package root `zerojax`: {offenders}"
+
+
+@pytest.mark.parametrize("old,new", [("zerojax.deepspeed", "zerojax.config"),
+                                     ("zerojax.zenflow", "zerojax.offload.zenflow"),
+                                     ("zerojax.estimate", "zerojax.tools.estimate"),
+                                     ("zerojax.distributed", "zerojax.runtime.distributed")])
+def test_moved_modules_warn_and_alias_the_new_one(old, new):
+    import importlib
+    import sys
+
+    import zerojax as zj
+
+    sys.modules.pop(old, None)
+    with pytest.warns(DeprecationWarning, match=f"{old} has moved to {new}"):
+        shim = importlib.import_module(old)
+    target = importlib.import_module(new)
+    name = next(n for n in shim.__all__ if not n.startswith("_"))
+    assert getattr(shim, name) is getattr(target, name)
+    assert callable(zj.estimate) and callable(zj.visualize)  # not shadowed by the old module

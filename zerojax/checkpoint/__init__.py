@@ -1,9 +1,15 @@
 """Checkpoints with Orbax: sharded save, restore onto any mesh, stage and offload setting,
-consolidation into one file (see :mod:`zerojax.checkpoint.manager` for the on-disk format)."""
-from zerojax.checkpoint.manager import FORMAT as FORMAT
+consolidation into one file (see :mod:`zerojax.checkpoint.format` for the on-disk format).
+
+    format.py   the on-disk layout, metadata, checksums, logical_tree and the relayout for restore
+    steps.py    which steps on disk are complete; reading a step's metadata and state
+    export.py   consolidate: the params of one step into one safetensors or Orbax file
+    manager.py  CheckpointManager and restore
+"""
+from zerojax.checkpoint.export import consolidate as consolidate
+from zerojax.checkpoint.format import FORMAT as FORMAT
+from zerojax.checkpoint.format import logical_tree as logical_tree
 from zerojax.checkpoint.manager import CheckpointManager as CheckpointManager
-from zerojax.checkpoint.manager import consolidate as consolidate
-from zerojax.checkpoint.manager import logical_tree as logical_tree
 from zerojax.checkpoint.manager import restore as restore
 from zerojax.errors import CheckpointError as CheckpointError
 

@@ -1,0 +1,87 @@
+"""The steps on disk: which are complete (an interrupted save is skipped with a warning), and
+reading one step's metadata and state item with Orbax."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import warnings
+
+import jax
+import orbax.checkpoint as ocp
+
+from zerojax.checkpoint.format import FORMAT, META, STATE
+from zerojax.errors import CheckpointError
+
+__all__ = ["checkpointer", "complete", "pick_step", "read_meta", "read_state"]
+
+_TMP = re.compile(r"^(\d+)\.orbax-checkpoint-tmp")
+
+
+def complete(step_dir: str) -> bool:
+    return (os.path.isfile(os.path.join(step_dir, "_CHECKPOINT_METADATA"))
+            and os.path.isfile(os.path.join(step_dir, STATE, "_METADATA"))
+            and os.path.isfile(os.path.join(step_dir, META, "metadata")))
+
+
+def _scan(directory: str, warn: bool = True) -> list[int]:
+    """Complete steps in ``directory``, warning about every incomplete one found."""
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"checkpoint directory {directory!r} does not exist")
+    steps = []
+    for name in sorted(os.listdir(directory)):
+        full = os.path.join(directory, name)
+        if not os.path.isdir(full):
+            continue
+        if _TMP.match(name):
+            if warn:
+                warnings.warn(f"skipping incomplete checkpoint {full} (a save that never finished)", stacklevel=3)
+        elif name.isdigit():
+            if complete(full):
+                steps.append(int(name))
+            elif warn:
+                warnings.warn(f"skipping incomplete checkpoint {full} (its metadata is missing)", stacklevel=3)
+    return sorted(steps)
+
+
+def pick_step(directory: str, step: int | None) -> int:
+    steps = _scan(directory)
+    if step is None:
+        if not steps:
+            raise FileNotFoundError(f"no complete checkpoint in {directory!r}")
+        return steps[-1]
+    if step not in steps:
+        raise FileNotFoundError(f"no complete checkpoint for step {step} in {directory!r}; complete steps: {steps}")
+    return step
+
+
+def read_meta(step_dir: str) -> dict:
+    with open(os.path.join(step_dir, META, "metadata")) as f:
+        meta = json.load(f)
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"{step_dir}: checkpoint format {meta.get('format')!r}, this zerojax reads {FORMAT}")
+    return meta
+
+
+def _this_process_only() -> ocp.options.MultiprocessingOptions:
+    """Orbax options for work one process does alone (consolidation): no barrier with the others."""
+    me = jax.process_index()
+    return ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me})
+
+
+def checkpointer(this_process_only: bool):
+    if not this_process_only or jax.process_count() == 1:
+        return ocp.PyTreeCheckpointer()
+    options = _this_process_only()
+    return ocp.Checkpointer(ocp.PyTreeCheckpointHandler(multiprocessing_options=options),
+                            multiprocessing_options=options)
+
+
+def read_state(step_dir: str, item, restore_args, this_process_only: bool = False):
+    """Read the state item; every process together, or (``this_process_only``) this one alone."""
+    try:
+        return checkpointer(this_process_only).restore(
+            os.path.join(step_dir, STATE),
+            args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True))
+    except Exception as e:  # tensorstore/orbax raise many types; name the step and keep the cause
+        raise CheckpointError(f"cannot read checkpoint {step_dir}: {type(e).__name__}: {e}") from e

@@ -1,5 +1,5 @@
 """ZenFlow's accuracy against on-device AdamW: fine-tune the same pretrained model on the task
-that ships with the repo (zerojax.models.classifier: which standard-library package a docstring
+that ships with the repo (examples/classifier_data.py: which standard-library package a docstring
 paragraph comes from), same seeds, schedule and AdamW settings, and compare held-out accuracy.
 Goal: ZenFlow within 1 point of AdamW (ZenFlow's claim is accuracy parity on GLUE).
 
@@ -8,6 +8,7 @@ Goal: ZenFlow within 1 point of AdamW (ZenFlow's claim is accuracy parity on GLU
 import argparse
 import json
 import os
+import sys
 import time
 
 from _common import simulate_devices
@@ -20,6 +21,11 @@ import numpy as np  # noqa: E402
 import zerojax as zj  # noqa: E402
 from zerojax.models import classifier  # noqa: E402
 
+# the task's data and training recipe live with examples/finetune_classifier.py
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+import classifier_data  # noqa: E402
+import classifier_training as training  # noqa: E402
+
 # DeepSpeed's defaults (selection once per epoch) with a host update every 2 steps; with 4,
 # seeds 0-2 gave a mean gap of 0.95 points and a worst of 2.9 (--zenflow to try others)
 ZENFLOW = {"topk_ratio": 0.1, "update_interval": 2, "overlap_step": True, "select_strategy": "auto",
@@ -27,15 +33,15 @@ ZENFLOW = {"topk_ratio": 0.1, "update_interval": 2, "overlap_step": True, "selec
 
 
 def finetune(params, train, heldout, *, zenflow, epochs, batch, seed, mesh):
-    steps = classifier.steps_per_epoch(train, batch) * epochs
+    steps = training.steps_per_epoch(train, batch) * epochs
     config = zj.ZeroConfig(stage=2, gradient_clipping=1.0, offload_optimizer="cpu" if zenflow else None,
                            zenflow=ZENFLOW if zenflow else None)
-    state = zj.shard_train_state(params, classifier.adamw(steps), mesh=mesh, config=config,
+    state = zj.shard_train_state(params, training.adamw(steps), mesh=mesh, config=config,
                                  rng=jax.random.PRNGKey(seed))
     step = zj.make_train_step(classifier.loss_fn, state)
-    per_epoch = classifier.steps_per_epoch(train, batch)
+    per_epoch = training.steps_per_epoch(train, batch)
     losses, t0 = [], time.perf_counter()
-    for i, b in enumerate(classifier.batches(train, batch, epochs, seed)):
+    for i, b in enumerate(training.batches(train, batch, epochs, seed)):
         state, m = step(state, b)
         losses.append(float(m["loss"]))
         if zenflow and (i + 1) % per_epoch == 0:
@@ -52,7 +58,7 @@ def finetune(params, train, heldout, *, zenflow, epochs, batch, seed, mesh):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--epochs", type=int, default=classifier.EPOCHS)
+    ap.add_argument("--epochs", type=int, default=training.EPOCHS)
     # batch 16: 98 steps an epoch, so an update interval of 4 is a small part of the run
     # (at the example's batch of 64, 96 steps in all, ZenFlow lagged by 3-5 points)
     ap.add_argument("--batch", type=int, default=16)
@@ -63,8 +69,8 @@ def main():
         ZENFLOW.clear()
         ZENFLOW.update(args.zenflow)
     mesh = zj.make_mesh()
-    train, heldout, num_classes, _ = classifier.load_task()
-    backbone = classifier.pretrained_params(args.cache_dir)
+    train, heldout, num_classes, _ = classifier_data.load_task()
+    backbone = training.pretrained_params(args.cache_dir)
     print(f"{len(train['label'])} training / {len(heldout['label'])} held-out paragraphs, {num_classes} classes, "
           f"{args.epochs} epochs, batch {args.batch}, stage 2 on {mesh.size} devices; ZenFlow {ZENFLOW}")
     print(f"{'seed':>4} {'optimizer':<10} {'held-out acc':>12} {'loss @100-120':>14} {'final loss':>11} {'seconds':>8}")

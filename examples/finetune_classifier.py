@@ -1,9 +1,10 @@
 """Fine-tune a pretrained small GPT to tell which standard-library package a docstring or comment
 comes from, with ZeRO over 8 simulated devices.
 
-The task ships with Python (see zerojax.models.classifier): prose from the library's own
-sources, labelled by package, split into train and held-out sets. The backbone is pretrained
-once as a language model on other modules' prose (a few minutes) and cached in --cache-dir.
+The task ships with Python (see classifier_data.py): prose from the library's own sources,
+labelled by package, split into train and held-out sets. The model is zerojax.models.classifier;
+its backbone is pretrained once as a language model on other modules' prose (a few minutes,
+classifier_training.py) and cached in --cache-dir.
 
     python examples/finetune_classifier.py                      # ZeRO-2, fp32, 4 epochs
     python examples/finetune_classifier.py --stage 3 --precision bf16 --seed 1
@@ -22,28 +23,32 @@ from tqdm import tqdm  # noqa: E402
 import zerojax as zj  # noqa: E402
 from zerojax.models import classifier  # noqa: E402
 
+# the task's data and training recipe, next to this script (its directory is on sys.path)
+import classifier_data  # noqa: E402
+import classifier_training as training  # noqa: E402
+
 
 def main(argv=None) -> float:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--stage", type=int, default=2, choices=[0, 1, 2, 3])
     ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
-    ap.add_argument("--epochs", type=int, default=classifier.EPOCHS)
-    ap.add_argument("--batch", type=int, default=classifier.BATCH_SIZE, help="global batch (examples per step)")
-    ap.add_argument("--lr", type=float, default=classifier.LEARNING_RATE)
+    ap.add_argument("--epochs", type=int, default=training.EPOCHS)
+    ap.add_argument("--batch", type=int, default=training.BATCH_SIZE, help="global batch (examples per step)")
+    ap.add_argument("--lr", type=float, default=training.LEARNING_RATE)
     ap.add_argument("--seed", type=int, default=0, help="head initialisation and data order")
     ap.add_argument("--cache-dir", default=os.path.join("~", ".cache", "zerojax"),
                     help="where the pretrained backbone is kept (default: %(default)s)")
     args = ap.parse_args(argv)
 
-    train, heldout, num_classes, vocab = classifier.load_task()
+    train, heldout, num_classes, vocab = classifier_data.load_task()
     cfg = classifier.model_config()
     t0 = time.perf_counter()
-    backbone = classifier.pretrained_params(args.cache_dir, cfg, verbose=True)
+    backbone = training.pretrained_params(args.cache_dir, cfg, verbose=True)
     params = classifier.init_classifier(backbone, num_classes, jax.random.PRNGKey(args.seed))
     mesh = zj.make_mesh()
-    steps = classifier.steps_per_epoch(train, args.batch) * args.epochs
+    steps = training.steps_per_epoch(train, args.batch) * args.epochs
     n_params = sum(x.size for x in jax.tree_util.tree_leaves(params))
-    print(f"task: {num_classes} packages ({', '.join(classifier.PACKAGES)}), {len(train['label'])} train / "
+    print(f"task: {num_classes} packages ({', '.join(classifier_data.PACKAGES)}), {len(train['label'])} train / "
           f"{len(heldout['label'])} held-out paragraphs, {len(vocab)}-word vocabulary, chance "
           f"{1 / num_classes:.0%} | backbone ready in {time.perf_counter() - t0:.1f}s")
     print(f"GPT classifier {n_params / 1e6:.2f}M params | {len(mesh.devices.flat)} devices | ZeRO stage "
@@ -57,7 +62,7 @@ def main(argv=None) -> float:
         if i % 10 == 0 or i == steps - 1:
             bar.set_postfix(loss=f"{float(metrics['loss']):.3f}", lr=f"{float(metrics['learning_rate']):.1e}")
 
-    state, losses, seconds = classifier.finetune(params, train, classifier.adamw(steps, args.lr), mesh=mesh,
+    state, losses, seconds = training.finetune(params, train, training.adamw(steps, args.lr), mesh=mesh,
                                                  config=config, epochs=args.epochs, batch_size=args.batch,
                                                  seed=args.seed, callback=progress)
     bar.close()

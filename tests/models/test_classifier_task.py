@@ -1,5 +1,8 @@
 """The shipped classification task: deterministic disjoint splits, a cached pretrained backbone,
 fine-tuning that learns, and an accuracy that counts right."""
+import pathlib
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,12 +12,19 @@ import pytest
 import zerojax as zj
 from zerojax.models import classifier, gpt
 
+# the task's data and training recipe live with examples/finetune_classifier.py, which imports them by name
+EXAMPLES = str(pathlib.Path(__file__).resolve().parents[2] / "examples")
+if EXAMPLES not in sys.path:
+    sys.path.insert(0, EXAMPLES)
+import classifier_data  # noqa: E402
+import classifier_training  # noqa: E402
+
 TINY = classifier.model_config(d_model=32, n_layer=1)
 
 
 @pytest.fixture(scope="module")
 def task():
-    return classifier.load_task()
+    return classifier_data.load_task()
 
 
 def rows(data):
@@ -23,12 +33,12 @@ def rows(data):
 
 def test_task_is_deterministic_balanced_and_disjoint(task):
     train, heldout, num_classes, vocab = task
-    classifier.vocabulary.cache_clear()
-    again = classifier.load_task()
+    classifier_data.vocabulary.cache_clear()
+    again = classifier_data.load_task()
     for a, b in zip((train, heldout), again[:2]):
         assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
     assert again[2:] == (num_classes, vocab) and len(vocab) == classifier.VOCAB
-    assert num_classes == len(classifier.PACKAGES)
+    assert num_classes == len(classifier_data.PACKAGES)
     # balanced classes, a quarter held out, and no paragraph (as the model sees it) in both splits
     assert np.bincount(train["label"]).tolist() == [len(train["label"]) // num_classes] * num_classes
     assert np.bincount(heldout["label"]).tolist() == [len(heldout["label"]) // num_classes] * num_classes
@@ -39,9 +49,9 @@ def test_task_is_deterministic_balanced_and_disjoint(task):
     for data in (train, heldout):
         positions = np.arange(data["tokens"].shape[1])[None, :]
         real = positions < data["length"][:, None]
-        assert (data["tokens"][~real] == classifier.PAD).all() and (data["tokens"][real] != classifier.PAD).all()
+        assert (data["tokens"][~real] == classifier_data.PAD).all() and (data["tokens"][real] != classifier_data.PAD).all()
         assert data["length"].min() >= 1 and data["tokens"].max() < len(vocab)
-    assert classifier.encode("The event loop", vocab) == [vocab.index(w) for w in ("the", "event", "loop")]
+    assert classifier_data.encode("The event loop", vocab) == [vocab.index(w) for w in ("the", "event", "loop")]
 
 
 def test_accuracy_counts_a_hand_made_case():
@@ -64,10 +74,10 @@ def test_accuracy_counts_a_hand_made_case():
 
 
 def test_pretrained_backbone_is_cached(tmp_path):
-    first = classifier.pretrained_params(str(tmp_path), TINY, steps=3)
+    first = classifier_training.pretrained_params(str(tmp_path), TINY, steps=3)
     files = list(tmp_path.iterdir())
     assert len(files) == 1 and files[0].suffix == ".npz"
-    again = classifier.pretrained_params(str(tmp_path), TINY, steps=3)
+    again = classifier_training.pretrained_params(str(tmp_path), TINY, steps=3)
     assert jax.tree_util.tree_structure(first) == jax.tree_util.tree_structure(again)
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree_util.tree_leaves(first), jax.tree_util.tree_leaves(again)))
     fresh = gpt.init_params(TINY, jax.random.PRNGKey(0))
@@ -79,7 +89,7 @@ def test_a_few_fine_tuning_steps_reduce_the_loss(task):
     train = {k: v[:64] for k, v in task[0].items()}
     params = classifier.init_classifier(gpt.init_params(TINY, jax.random.PRNGKey(0)), task[2], jax.random.PRNGKey(0))
     before = float(jax.jit(classifier.loss_fn)(params, train))
-    state, losses, _ = classifier.finetune(params, train, optax.adam(3e-3), mesh=zj.make_mesh(),
+    state, losses, _ = classifier_training.finetune(params, train, optax.adam(3e-3), mesh=zj.make_mesh(),
                                            config=zj.ZeroConfig(stage=2), epochs=2, batch_size=16)
     after = float(jax.jit(classifier.loss_fn)(state.full_params(), train))
     assert len(losses) == 8

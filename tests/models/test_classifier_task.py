@@ -49,7 +49,8 @@ def test_task_is_deterministic_balanced_and_disjoint(task):
     for data in (train, heldout):
         positions = np.arange(data["tokens"].shape[1])[None, :]
         real = positions < data["length"][:, None]
-        assert (data["tokens"][~real] == classifier_data.PAD).all() and (data["tokens"][real] != classifier_data.PAD).all()
+        pad = classifier_data.PAD
+        assert (data["tokens"][~real] == pad).all() and (data["tokens"][real] != pad).all()
         assert data["length"].min() >= 1 and data["tokens"].max() < len(vocab)
     assert classifier_data.encode("The event loop", vocab) == [vocab.index(w) for w in ("the", "event", "loop")]
 

@@ -25,6 +25,12 @@ is gathered slice by slice inside a loop (forward and backward), and a row looku
 split along its features moves only the rows (an all-to-all); a tied embedding is then never
 whole on a device, nor is its gradient.
 
+A param used again in the forward pass (a tied embedding, a weight applied twice) keeps its
+gathered copy when at most ``max_reuse_distance`` elements of other params were used since its
+last use (DeepSpeed's ``stage3_max_reuse_distance``); farther away it is gathered again, so the
+copy need not stay alive in between. Its cotangents still meet before the one reduce-scatter.
+Loops count their body's params once per iteration (a ``while_loop`` once).
+
 A model may mark a point itself with ``zj.gather(params)``: outside a stage-3 step it is the
 identity; inside, the params are gathered there.
 """
@@ -61,13 +67,45 @@ def _tie(x, anchor):
     return x + jnp.zeros((), x.dtype) * jax.lax.stop_gradient(a).astype(x.dtype)
 
 
+class Fetches:
+    """The forward replay's running count of param elements used (DeepSpeed's fetch trace),
+    against which ``max_reuse_distance`` is measured."""
+
+    __slots__ = ("count", "limit")
+
+    def __init__(self, limit: float):
+        self.count, self.limit = 0, limit
+
+    def used(self, bases) -> None:
+        """Record one use site's params: each one's distance is counted from here."""
+        for b in bases:
+            self.count += b.lay.size
+        for b in bases:
+            b.last_use = self.count
+
+
+def _gather_again(full, shard, anchor, lay: LeafLayout, axis_name: str):
+    """``full`` gathered anew from ``shard`` (after ``anchor``): the forward pass moves the param
+    again instead of keeping ``full`` alive; the cotangent is handed to ``full``, so all uses'
+    cotangents still meet before the param's one reduce-scatter."""
+
+    def gathered(full, shard, anchor):  # ``full`` is not read: only its cotangent matters
+        return C.gather(_tie(to_device_memory(shard), anchor), lay, axis_name)
+
+    again = jax.custom_vjp(gathered)
+    again.defvjp(lambda *args: (gathered(*args), None), lambda _, ct: (ct, None, None))
+    return again(full, shard, anchor)
+
+
 class Base:
     """A partitioned param not gathered yet: its local shard, layout and forward gather."""
 
-    __slots__ = ("shard", "lay", "full", "axis_name")
+    __slots__ = ("shard", "lay", "full", "axis_name", "fetches", "last_use")
 
-    def __init__(self, shard, lay: LeafLayout, axis_name: str):
+    def __init__(self, shard, lay: LeafLayout, axis_name: str, fetches: Optional[Fetches] = None):
         self.shard, self.lay, self.full, self.axis_name = shard, lay, None, axis_name
+        self.fetches = Fetches(math.inf) if fetches is None else fetches
+        self.last_use = None  # Fetches.count after the last use of ``full``; None: not used yet
 
     def gather_forward(self, anchor):
         if self.full is None:
@@ -76,6 +114,15 @@ class Base:
             # an offloaded shard comes from host memory just before its gather
             self.full = C.gather(_tie(to_device_memory(self.shard), anchor), self.lay, self.axis_name)
         return self.full
+
+    def fetch(self, anchor):
+        """The whole param at a use site: the gathered copy, or a new gather when more than
+        ``max_reuse_distance`` elements of params were used since the copy's last use."""
+        if self.full is not None and self.last_use is not None \
+                and self.fetches.count - self.last_use > self.fetches.limit:
+            self.full = _gather_again(self.full, self.shard, anchor, self.lay, self.axis_name)
+            self.last_use = None
+        return self.gather_forward(anchor)
 
 
 @dataclasses.dataclass
@@ -173,7 +220,8 @@ def _use_site(op: Callable[[list], list], invals: list, anchor):
         return d_fulls, [None] * len(shards), d_diffs, [None] * len(consts)
 
     site.defvjp(fwd, bwd)
-    fulls = [b.gather_forward(anchor) for b in bases]
+    fulls = [b.fetch(anchor) for b in bases]
+    bases[0].fetches.used(bases)
     shards = [jax.lax.stop_gradient(b.shard) for b in bases]
     return site(fulls, shards, [invals[i] for i in diff_pos], [invals[i] for i in const_pos])
 
@@ -270,6 +318,7 @@ def _chunked_dot(eqn, invals, chunk: int) -> Optional[list]:
         dx, dshard = jax.lax.fori_loop(0, k, body, (dx0, jnp.zeros(shard.shape, shard.dtype)))
         return dshard, dx.astype(xv.dtype)
 
+    base.fetches.used([base])
     return [_keeping_inputs(forward, bwd)(to_device_memory(base.shard), x)]
 
 
@@ -314,6 +363,7 @@ def _sharded_lookup(eqn, invals) -> Optional[list]:
         return vjp(parts.astype(shard.dtype))[0], None
 
     all_ids = jax.lax.all_gather(ids, axis_name)
+    base.fetches.used([base])
     return [_keeping_inputs(forward, bwd)(to_device_memory(base.shard), all_ids)]
 
 
@@ -330,14 +380,28 @@ def _anchor(vals):
 
 
 class _Interpreter:
-    def __init__(self, axis_name: str, prefetch: int, chunk: int):
+    def __init__(self, axis_name: str, prefetch: int, chunk: int, reuse_distance: float = math.inf):
         self.axis_name = axis_name
         self.prefetch = prefetch
         self.chunk = chunk
+        self.fetches = Fetches(reuse_distance)
         self.prims = primitives()
 
     def base(self, shard, lay: LeafLayout) -> Lazy:
-        return _param(Base(shard, lay, self.axis_name))
+        return _param(Base(shard, lay, self.axis_name, self.fetches))
+
+    def _loop_body(self, body: Callable, times: int) -> Callable:
+        """``body`` counting the params it uses ``times`` over (once per iteration), however
+        often the loop traces it."""
+        before, fetches = self.fetches.count, self.fetches
+
+        def counted(*args):
+            start = fetches.count
+            out = body(*args)
+            fetches.count = before + (fetches.count - start) * times
+            return out
+
+        return counted
 
     # ------------------------------------------------------------------ the replay
     def run(self, jaxpr, consts, args):
@@ -471,6 +535,7 @@ class _Interpreter:
             out = self.run(body.jaxpr, body.consts, consts + list(c) + x)
             return out[:ncarry], out[ncarry:]
 
+        step = self._loop_body(step, p["length"])
         carry, ys = jax.lax.scan(step, carry, xs, length=p["length"], reverse=p["reverse"], unroll=p["unroll"])
         return list(carry) + list(ys)
 
@@ -492,7 +557,7 @@ class _Interpreter:
             consts = [self.base(s, lay) if lay is not None else s for s, lay in zip(shards, lays)]
             return self.run(body_j.jaxpr, body_j.consts, consts + list(c))
 
-        return list(jax.lax.while_loop(cond, body, list(init)))
+        return list(jax.lax.while_loop(cond, self._loop_body(body, 1), list(init)))
 
 
 def _is_literal_like(x) -> bool:
@@ -512,7 +577,8 @@ def gathered_loss(loss_fn: Callable, plan: ZeroPlan, takes_rng: bool):
     def loss(shards, mb, key):
         extra = (key,) if takes_rng else ()
         closed, out_shape = jax.make_jaxpr(loss_fn, return_shape=True)(plan.map(whole, shards), mb, *extra)
-        interp = _Interpreter(axis, prefetch, min(prefetch, int(plan.config.max_live_parameters)))
+        interp = _Interpreter(axis, prefetch, min(prefetch, int(plan.config.max_live_parameters)),
+                              int(plan.config.max_reuse_distance))
         lazies = plan.map(lambda lay, x: interp.base(x, lay) if lay.params_partitioned else x, shards)
         flat = jax.tree_util.tree_leaves((lazies, mb) + extra, is_leaf=lambda x: isinstance(x, Lazy))
         out = interp.run(closed.jaxpr, closed.consts, flat)

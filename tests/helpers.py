@@ -1,4 +1,6 @@
 """A small model with awkward shapes (nothing divides 8 evenly everywhere) and its plain reference."""
+from typing import Any, NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -31,25 +33,158 @@ def batches(n_steps, batch_size=32, seed=0):
              "y": rng.integers(0, OUT, (batch_size,)).astype(np.int32)} for _ in range(n_steps)]
 
 
-def reference_train(params, tx, data, clip=0.0):
-    """Plain single-device optax: the numbers a ZeRO run must reproduce."""
+class Reference(NamedTuple):
+    params: Any
+    losses: list
+    norms: list  # the global gradient norm of every step, before clipping
+    skipped: list  # steps whose gradients overflowed (not applied)
+
+
+def clip_grads(g, clip):
+    """DeepSpeed's clipping, written out: divide by max(1, (norm + 1e-6) / clip)."""
+    norm = optax.global_norm(g)
+    if not clip:
+        return g, norm
+    coef = jnp.maximum(1.0, (norm + 1e-6) / clip)
+    return jax.tree_util.tree_map(lambda x: x / coef, g), norm
+
+
+def reference_run(params, tx, data, clip=0.0) -> Reference:
+    """Plain single-device optax in fp32: the numbers a ZeRO run must reproduce."""
     state = tx.init(params)
-    losses = []
+    losses, norms = [], []
 
     @jax.jit
     def step(p, s, b):
         loss, g = jax.value_and_grad(loss_fn)(p, b)
-        if clip:
-            norm = optax.global_norm(g)
-            coef = jnp.maximum(1.0, (norm + 1e-6) / clip)
-            g = jax.tree_util.tree_map(lambda x: x / coef, g)
+        g, norm = clip_grads(g, clip)
         u, s = tx.update(g, s, p)
-        return optax.apply_updates(p, u), s, loss
+        return optax.apply_updates(p, u), s, loss, norm
 
     for b in data:
-        params, state, loss = step(params, state, b)
+        params, state, loss, norm = step(params, state, b)
         losses.append(float(loss))
-    return params, losses
+        norms.append(float(norm))
+    return Reference(params, losses, norms, [False] * len(losses))
+
+
+def reference_train(params, tx, data, clip=0.0):
+    """Plain single-device optax: (final params, losses)."""
+    ref = reference_run(params, tx, data, clip)
+    return ref.params, ref.losses
+
+
+# ------------------------------------------------------------------ mixed precision
+def device_micro_batches(batch, n: int, gas: int):
+    """The rows each device sees, micro-batch by micro-batch: device d holds the d-th contiguous
+    1/n of the global batch and splits it into ``gas`` contiguous micro-batches."""
+    rows = len(next(iter(batch.values())))
+    per, micro = rows // n, rows // n // gas
+    return [[{k: v[d * per + i * micro:d * per + (i + 1) * micro] for k, v in batch.items()} for i in range(gas)]
+            for d in range(n)]
+
+
+def sum_over_devices(parts, dtype):
+    """The data-parallel sum of per-device 16-bit gradients as this (CPU) backend's collectives
+    form it: float16 added device after device in float16; bfloat16 summed in float32 and
+    rounded once; float32 added device after device. Returns ``dtype`` values."""
+    parts = [np.asarray(x) for x in parts]
+    if np.dtype(dtype) == np.dtype(jnp.bfloat16):
+        return sum(x.astype(np.float32) for x in parts).astype(dtype)
+    acc = parts[0].astype(dtype)
+    for x in parts[1:]:
+        acc = (acc.astype(np.float32) + x.astype(np.float32)).astype(dtype)
+    return acc
+
+
+class DynamicScale:
+    """DeepSpeed's dynamic loss scale (REFERENCE.md section 4), written out for the references."""
+
+    def __init__(self, scale, window=1000, hysteresis=2, min_scale=1.0):
+        self.scale, self.window, self.hysteresis, self.min_scale = float(scale), window, hysteresis, min_scale
+        self.left, self.iter, self.last_overflow = hysteresis, 0, -1
+
+    def update(self, overflow: bool) -> None:
+        if overflow:
+            if self.hysteresis == 1 or self.left == 1:
+                self.scale = max(self.scale / 2, self.min_scale)
+            else:
+                self.left -= 1
+            self.last_overflow = self.iter
+        else:
+            stable = self.iter - self.last_overflow - 1
+            if stable > 0 and stable % self.window == 0:
+                self.scale *= 2
+                self.left = self.hysteresis
+        self.iter += 1
+
+
+def mixed_reference_run(params, tx, data, precision, *, n=8, gas=1, stage=0, scale=1.0, clip=0.0,
+                        scaler=None) -> Reference:
+    """Mixed-precision data parallelism written out plainly, on one device.
+
+    An fp32 master, cast to the compute dtype for every forward; each device's gradient of
+    ``scale`` x its micro-batch's mean loss, in the compute dtype; the micro-batch gradients
+    accumulated in fp32 and reduced over devices in the compute dtype (once per step at stages
+    0-1, after every micro-batch from stage 2), then divided in fp32 by n x gas and the scale;
+    DeepSpeed's clipping on the fp32 gradient; fp32 optax on the master. ``scaler``: a
+    :class:`DynamicScale` (an overflow skips the update); otherwise the scale is static and an
+    overflow is an error.
+    """
+    cdt = jnp.dtype({"bf16": jnp.bfloat16, "fp16": jnp.float16, "fp32": jnp.float32}[precision])
+    f32 = jnp.float32
+    master = jax.tree_util.tree_map(lambda x: jnp.asarray(x, f32), params)
+    treedef = jax.tree_util.tree_structure(master)
+    opt_state = tx.init(master)
+
+    @jax.jit
+    def device_grads(master, micro, scale):
+        p16 = jax.tree_util.tree_map(lambda x: x.astype(cdt), master)
+
+        def scaled(p, b):
+            loss = loss_fn(p, b).astype(f32)
+            return loss * scale, loss
+
+        return [[jax.grad(scaled, has_aux=True)(p16, b) for b in dev] for dev in micro]
+
+    @jax.jit
+    def update(master, opt_state, g):
+        u, opt_state = tx.update(g, opt_state, master)
+        return optax.apply_updates(master, u), opt_state
+
+    out = Reference(None, [], [], [])
+    for batch in data:
+        s = scaler.scale if scaler is not None else float(scale)
+        per_dev = jax.device_get(device_grads(master, device_micro_batches(batch, n, gas), f32(s)))
+        grads = [[treedef.flatten_up_to(g) for g, _ in dev] for dev in per_dev]
+        leaves = []
+        for j in range(treedef.num_leaves):
+            if stage >= 2:  # reduced after every micro-batch, accumulated in fp32
+                acc = np.zeros(np.shape(grads[0][0][j]), np.float32)
+                for i in range(gas):
+                    acc = acc + sum_over_devices([dev[i][j] for dev in grads], cdt).astype(np.float32)
+            else:  # accumulated in fp32 on each device, reduced once in the compute dtype
+                local = []
+                for dev in grads:
+                    acc = np.zeros(np.shape(dev[0][j]), np.float32)
+                    for i in range(gas):
+                        acc = acc + dev[i][j].astype(np.float32)
+                    local.append(acc.astype(cdt))
+                acc = sum_over_devices(local, cdt).astype(np.float32)
+            leaves.append(acc / np.float32(n * gas) / np.float32(s))
+        loss = sum(float(l) for dev in per_dev for _, l in dev) / (n * gas)
+        finite = all(np.isfinite(x).all() for x in leaves) and np.isfinite(loss)
+        if scaler is not None:
+            scaler.update(not finite)
+        elif not finite:
+            raise AssertionError(f"the static loss scale {s} overflows: choose a smaller one")
+        g, norm = clip_grads(treedef.unflatten([jnp.asarray(x) for x in leaves]), clip)
+        out.losses.append(loss)
+        out.norms.append(float(norm))
+        out.skipped.append(not finite)
+        if finite:
+            master, opt_state = update(master, opt_state, g)
+    return out._replace(params=master)
 
 
 def max_rel_err(got, want):
@@ -68,7 +203,7 @@ OPTIMIZERS = {
     "lion": lambda: optax.lion(1e-3),
     "adafactor": lambda: optax.adafactor(1e-2),
     "chain_clip_schedule": lambda: optax.chain(
-        optax.clip_by_global_norm(0.5),
+        optax.clip_by_global_norm(0.05),  # below every step's norm: it clips
         optax.adamw(optax.warmup_cosine_decay_schedule(0.0, 1e-2, 3, 10))),
     "inject_hyperparams": lambda: optax.inject_hyperparams(optax.adamw)(learning_rate=1e-2),
     "lamb": lambda: optax.lamb(1e-2),

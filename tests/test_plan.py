@@ -111,13 +111,23 @@ def test_describe_lists_every_leaf():
     assert "+5 pad" in text  # emb: 67 rows padded to 72
 
 
-@pytest.mark.parametrize("opt", ["adamw", "sgd_momentum", "lion", "adafactor", "chain_clip_schedule",
-                                 "inject_hyperparams", "lamb"])
-def test_zero_optimizer_matches_optax_and_partitions_state(opt):
+# Storage of each param on 8 devices, worked out by hand: the dim needing the least relative
+# padding to a multiple of 8 is split (earliest among equals).
+STORED_ON_8 = {
+    "emb": 72 * 12,          # (67, 12): 67 -> 72 (x1.07) beats 12 -> 16 (x1.33)
+    "dense/kernel": 12 * 24,  # (12, 20): 20 -> 24 (x1.2) beats 12 -> 16 (x1.33)
+    "dense/bias": 24,        # (20,)
+    "odd": 8 * 3,            # (7, 3): 7 -> 8
+    "out": 24 * 5,           # (20, 5): 20 -> 24 (x1.2) beats 5 -> 8 (x1.6)
+}
+LOGICAL = {"emb": 67 * 12, "dense/kernel": 12 * 20, "dense/bias": 20, "odd": 21, "out": 100}
+
+
+def check_zero_optimizer(opt, stages=(0, 1, 2, 3)):
     params = init_params(jax.random.PRNGKey(0))
     data = batches(5)
     want, _ = reference_train(params, OPTIMIZERS[opt](), data)
-    for stage in (0, 1, 2, 3):
+    for stage in stages:
         tx = zj.zero_optimizer(OPTIMIZERS[opt](), config=zj.ZeroConfig(stage=stage))
         p, s = params, tx.init(params)
 
@@ -129,6 +139,27 @@ def test_zero_optimizer_matches_optax_and_partitions_state(opt):
         for b in data:
             p, s = update(p, s, b)
         assert max_rel_err(p, want) < 1e-6
-        big = [x for x in jax.tree_util.tree_leaves(s.inner) if x.shape == (12, 20)]  # dense/kernel moments
-        assert all((x.sharding.shard_shape(x.shape) != x.shape) == (stage >= 1) for x in big)
+        # the leaves that mirror a param (moments, traces): stored padded and split 8 ways from
+        # stage 1, whole at stage 0
+        mirrors = [x for x in jax.tree_util.tree_leaves(s.inner)
+                   if x.size in (set(STORED_ON_8.values()) | set(LOGICAL.values())) and x.ndim >= 1]
+        assert mirrors, f"{opt}: no optimizer leaf mirrors a param"
+        for x in mirrors:
+            shard = x.addressable_shards[0].data.size
+            if stage >= 1:
+                assert x.size in STORED_ON_8.values() and shard * 8 == x.size, (opt, stage, x.shape, shard)
+            else:
+                assert shard == x.size, (opt, stage, x.shape, shard)
         np.testing.assert_equal(p["odd"].shape, (7, 3))
+
+
+@pytest.mark.parametrize("opt", ["adamw", "sgd_momentum", "lion", "adafactor", "chain_clip_schedule",
+                                 "inject_hyperparams", "lamb"])
+def test_zero_optimizer_matches_optax_and_partitions_state(opt):
+    check_zero_optimizer(opt)
+
+
+def test_partition_check_catches_a_plan_that_forgets_to_partition(monkeypatch):
+    monkeypatch.setattr(zj.ZeroPlan, "opt_partitioned", lambda self, lay: False)
+    with pytest.raises(AssertionError):
+        check_zero_optimizer("adamw", stages=(1,))

@@ -1,4 +1,5 @@
-"""Every stage x every optimizer reproduces plain unsharded optax; shardings follow the plan."""
+"""Every stage x every optimizer reproduces plain unsharded optax, clipping and mixed precision their
+written-out references; shardings follow the plan."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -6,7 +7,9 @@ import optax
 import pytest
 
 import zerojax as zj
-from tests.helpers import OPTIMIZERS, batches, init_params, loss_fn, max_rel_err, reference_train
+from tests import broken
+from tests.helpers import (OPTIMIZERS, batches, init_params, loss_fn, max_rel_err, mixed_reference_run,
+                           reference_run, reference_train)
 
 
 
@@ -21,47 +24,103 @@ def data():
 
 
 def run_zero(params, tx, data, **config):
+    """(final state, every step's metrics as floats)."""
     config.setdefault("param_persistence_threshold", 0)
     state = zj.shard_train_state(params, tx, mesh=zj.make_mesh(), config=zj.ZeroConfig(**config))
     step = zj.make_train_step(loss_fn, state)
-    losses = []
+    history = []
     for b in data:
         state, metrics = step(state, b)
-        losses.append(float(metrics["loss"]))
-    return state, losses
+        history.append({k: float(v) for k, v in metrics.items()})
+    return state, history
+
+
+def column(history, key):
+    return [m[key] for m in history]
 
 
 @pytest.mark.parametrize("opt", sorted(OPTIMIZERS))
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_matches_plain_optax_fp32(stage, opt, params, data):
     want, want_losses = reference_train(params, OPTIMIZERS[opt](), data)
-    state, losses = run_zero(params, OPTIMIZERS[opt](), data, stage=stage)
+    state, history = run_zero(params, OPTIMIZERS[opt](), data, stage=stage)
     assert max_rel_err(state.full_params(), want) < 1e-6
-    np.testing.assert_allclose(losses, want_losses, rtol=1e-6)
+    np.testing.assert_allclose(column(history, "loss"), want_losses, rtol=1e-6)
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_gradient_accumulation_and_clipping(stage, params, data):
+# ------------------------------------------------------------------ clipping
+CLIP = 0.05  # below every step's gradient norm (0.17-0.36 on these batches): it clips every step
+
+
+@pytest.fixture(scope="module")
+def clipped_reference(params, data):
+    return reference_run(params, optax.adamw(1e-2), data, clip=CLIP)
+
+
+def check_accumulation_and_clipping(stage, params, data, ref):
     # 4 micro-batches of 8 give the same mean gradient as one batch of 32
-    want, _ = reference_train(params, optax.adamw(1e-2), data, clip=0.5)
-    state, _ = run_zero(params, optax.adamw(1e-2), data, stage=stage, gradient_accumulation_steps=4,
-                        gradient_clipping=0.5)
-    assert max_rel_err(state.full_params(), want) < 1e-6
+    state, history = run_zero(params, optax.adamw(1e-2), data, stage=stage, gradient_accumulation_steps=4,
+                              gradient_clipping=CLIP)
+    assert min(ref.norms) > CLIP  # the clip engages on every step
+    np.testing.assert_allclose(column(history, "grad_norm"), ref.norms, rtol=1e-5)
+    err = max_rel_err(state.full_params(), ref.params)
+    assert err < 1e-6, f"params differ from the clipped reference by {err:.2e}"
 
 
-@pytest.mark.parametrize("precision,tol", [("bf16", 5e-2), ("fp16", 3e-2)])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_mixed_precision_tracks_fp32_master_reference(stage, precision, tol, params, data):
-    want, want_losses = reference_train(params, optax.adamw(1e-2), data)
-    # a modest initial scale: no step overflows, so none is skipped and the runs stay comparable
-    state, losses = run_zero(params, optax.adamw(1e-2), data, stage=stage, precision=precision,
-                             initial_scale_power=8)
-    assert float(state.loss_scale.scale) == 2.0**8
+def test_gradient_accumulation_and_clipping(stage, params, data, clipped_reference):
+    check_accumulation_and_clipping(stage, params, data, clipped_reference)
+
+
+def test_clipping_check_catches_an_inverted_coefficient(monkeypatch, params, data, clipped_reference):
+    broken.invert_clipping(monkeypatch)
+    with pytest.raises(AssertionError):
+        check_accumulation_and_clipping(2, params, data, clipped_reference)
+
+
+# ------------------------------------------------------------------ mixed precision
+SCALE_POWER = 8  # a dynamic scale that never overflows here: no step is skipped
+
+
+@pytest.fixture(scope="module")
+def mixed_reference(params, data):
+    """The casting reference per precision (one gradient-accumulation step: the same at every stage)."""
+    cache = {}
+
+    def get(precision):
+        if precision not in cache:
+            scale = 2.0**SCALE_POWER if precision == "fp16" else 1.0
+            cache[precision] = mixed_reference_run(params, optax.adamw(1e-2), data, precision, scale=scale)
+        return cache[precision]
+
+    return get
+
+
+def check_mixed_precision(stage, precision, params, data, ref):
+    state, history = run_zero(params, optax.adamw(1e-2), data, stage=stage, precision=precision,
+                              initial_scale_power=SCALE_POWER)
+    scale = 2.0**SCALE_POWER if precision == "fp16" else 1.0
+    assert column(history, "loss_scale") == [scale] * len(data) and not any(column(history, "skipped"))
     assert jax.tree_util.tree_leaves(state.params)[0].dtype == zj.precision.compute_dtype(precision)
     assert all(x.dtype == jnp.float32 for x in jax.tree_util.tree_leaves(state.master))
-    assert max_rel_err(state.full_params(jnp.float32), want) < tol
-    np.testing.assert_allclose(losses, want_losses, rtol=tol)
-    assert not np.allclose(losses, want_losses, rtol=1e-7)  # really ran in 16 bits
+    err = max_rel_err(state.full_params(jnp.float32), ref.params)
+    assert err < 1e-5, f"params differ from the casting reference by {err:.2e}"
+    np.testing.assert_allclose(column(history, "loss"), ref.losses, rtol=1e-5)
+    np.testing.assert_allclose(column(history, "grad_norm"), ref.norms, rtol=1e-5)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_mixed_precision_tracks_fp32_master_reference(stage, precision, params, data, mixed_reference):
+    check_mixed_precision(stage, precision, params, data, mixed_reference(precision))
+
+
+@pytest.mark.parametrize("stage,precision", [(1, "bf16"), (3, "fp16")])
+def test_mixed_precision_check_catches_an_update_without_master(monkeypatch, stage, precision, params, data,
+                                                                 mixed_reference):
+    broken.update_without_master(monkeypatch)
+    with pytest.raises(AssertionError):
+        check_mixed_precision(stage, precision, params, data, mixed_reference(precision))
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

@@ -155,9 +155,11 @@ def _check_ratio(config: ZeroConfig) -> None:
 
 
 def host_share(sizes, ratio: float) -> list:
-    """Which items go to the host so that their share of ``sum(sizes)`` is as close to ``ratio``
-    as whole items allow: largest first (ties in the given order), an item is taken when it
-    brings the host total closer to ``ratio * total``. Deterministic; ratio 1 takes everything."""
+    """Which items go to the host so that their share of ``sum(sizes)`` comes close to ``ratio``
+    with whole items: a greedy pass, largest first (ties in the given order), that takes an
+    item when it brings the host total strictly closer to ``ratio * total``. Deterministic;
+    ratio 1 takes everything. Greedy, so not always the closest subset: sizes 5, 4, 3, 3 at
+    0.5 take 5 + 4 (0.6), where 4 + 3 would give 0.47."""
     if ratio >= 1:
         return [True] * len(sizes)
     target = ratio * sum(sizes)
@@ -280,8 +282,9 @@ class ZeroPlan:
 
     @property
     def host_update(self) -> bool:
-        """Whether the optimizer update runs on the host (ZeRO-Offload), not the device."""
-        return self.config.offload_optimizer == "cpu"
+        """Whether the optimizer update runs on the host (ZeRO-Offload), not the device; with
+        ``offload_ratio`` < 1, for the params in ``offloaded_paths`` only."""
+        return self.config.offload_optimizer == "cpu" and bool(self.offloaded_paths)
 
     @property
     def opt_memory_kind(self) -> str:
@@ -305,9 +308,10 @@ class ZeroPlan:
 
         ``offload_optimizer`` set and ``offload_ratio`` 1: every param. ``offload_ratio`` r < 1
         (stage 3, DeepSpeed's partial offload): the split is per leaf, whole leaves only,
-        chosen by :func:`host_share` so that the host's share of the per-device optimizer-state
-        elements is as close to r as whole leaves allow; the others stay in device memory
-        and are updated there, in the same step."""
+        chosen by :func:`host_share` (greedy, largest leaf first) so that the host's share of
+        the per-device optimizer-state elements comes close to r (``host_fraction`` is the
+        share reached); the others stay in device memory and are updated there, in the same
+        step. A ratio smaller than half the smallest leaf's share offloads nothing."""
         if self.config.offload_optimizer is None:
             return frozenset()
         lays = self.leaves
@@ -342,23 +346,22 @@ class ZeroPlan:
         """The two sides of ``share`` put back together."""
         return self.map(lambda lay, h, d: h if self.opt_on_host(lay) else d, host_tree, device_tree)
 
-    def _opt_sides(self, opt_state, stored: bool) -> list:
+    def opt_sides(self, opt_state) -> list:
         """Per optimizer leaf: True (host side), False (device side) or None (no param owns it)."""
-        return [None if lay is None else self.opt_on_host(lay)
-                for lay in self.opt_leaf_layouts(opt_state, stored=stored)]
+        return [None if lay is None else self.opt_on_host(lay) for lay in self.opt_leaf_owners(opt_state)]
 
     def opt_share(self, opt_state, host: bool):
         """``opt_state`` with the other side's per-param leaves replaced by None; the leaves no
         param owns (counts, schedule state) are kept on both sides."""
         leaves, treedef = jax.tree_util.tree_flatten(opt_state)
-        sides = self._opt_sides(opt_state, stored=True)
+        sides = self.opt_sides(opt_state)
         return treedef.unflatten([x if side is None or side == host else None for x, side in zip(leaves, sides)])
 
     def opt_merge(self, like, host_state, device_state):
         """The two sides of ``opt_share`` of ``like`` put back together; the leaves no param owns
         come from the host side (their home is host memory)."""
         treedef = jax.tree_util.tree_structure(like)
-        sides = self._opt_sides(like, stored=True)
+        sides = self.opt_sides(like)
         h, d = treedef.flatten_up_to(host_state), treedef.flatten_up_to(device_state)
         return treedef.unflatten([dx if side is False else hx for hx, dx, side in zip(h, d, sides)])
 
@@ -408,19 +411,22 @@ class ZeroPlan:
         the param's (``stored``: padded storage shape; else the logical shape). Moments and
         the like are stored exactly like the master; counts and factored statistics are not.
         """
+        out = []
+        for lay, leaf in zip(self.opt_leaf_owners(opt_tree), jax.tree_util.tree_leaves(opt_tree)):
+            want = None if lay is None else self.master_shape(lay) if stored else lay.shape
+            out.append(lay if want is not None and tuple(getattr(leaf, "shape", ())) == want else None)
+        return out
+
+    def opt_leaf_owners(self, opt_tree):
+        """For each leaf of an optimizer state, the param whose tree path its path ends with (the
+        longest such), whatever its shape, or None: moments, and per-param statistics such as
+        adafactor's factored rows and columns, have an owner; step counts and schedule state not."""
         by_path = {lay.path: lay for lay in self.leaves}
         out = []
-        for path, leaf in jax.tree_util.tree_flatten_with_path(opt_tree)[0]:
+        for path, _ in jax.tree_util.tree_flatten_with_path(opt_tree)[0]:
             parts = path_str(path).split("/")
-            found = None
-            for i in range(len(parts)):
-                lay = by_path.get("/".join(parts[i:]))
-                if lay is not None:
-                    want = self.master_shape(lay) if stored else lay.shape
-                    if tuple(getattr(leaf, "shape", ())) == want:
-                        found = lay
-                    break
-            out.append(found)
+            out.append(next((by_path[p] for p in ("/".join(parts[i:]) for i in range(len(parts))) if p in by_path),
+                            None))
         return out
 
     def opt_state_shardings(self, opt_shapes):
@@ -428,14 +434,15 @@ class ZeroPlan:
 
         Leaves that mirror a param are stored like its master; other leaves (counts, factored
         moments) are split along a dimension that divides the data axis when they are large,
-        or replicated when small.
+        or replicated when small, in the memory kind of their owner's state
+        (:meth:`opt_leaf_owners`; offloaded state's when no param owns them).
         """
-        kind = self.opt_memory_kind
         leaves, treedef = jax.tree_util.tree_flatten(opt_shapes)
 
-        def place(lay, leaf):
+        def place(lay, owner, leaf):
             if lay is not None:
                 return self.master_sharding(lay)
+            kind = self.opt_memory_kind if owner is None else self.opt_leaf_memory_kind(owner)
             shape = tuple(leaf.shape)
             if self.stage >= 1 and self.n > 1 and math.prod(shape) >= self.n * 64:
                 for d, size in enumerate(shape):
@@ -446,7 +453,8 @@ class ZeroPlan:
             return self._sharding(P(), kind)
 
         layouts = self.opt_leaf_layouts(opt_shapes, stored=False)
-        return treedef.unflatten([place(lay, leaf) for lay, leaf in zip(layouts, leaves)])
+        owners = self.opt_leaf_owners(opt_shapes)
+        return treedef.unflatten([place(*x) for x in zip(layouts, owners, leaves)])
 
     # ------------------------------------------------ storage <-> update layout
     def update_sharding(self, lay: LeafLayout) -> NamedSharding:

@@ -12,6 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 from zerojax.config import ZeroConfig
 from zerojax.mesh import make_mesh
+from zerojax.offload.partial import check_split
 from zerojax.plan import ZeroPlan
 from zerojax.precision import LossScalerState
 
@@ -26,6 +27,10 @@ class TrainState:
     opt_state:  the optax state of ``tx``, built on the master's update layout
     loss_scale: the dynamic loss scaler (fp16), carried but unused otherwise
     rng:        base PRNG key; each micro-batch on each device folds in its indices
+
+    Offloaded (``offload_optimizer="cpu"``), master and opt_state live in host memory; with
+    ``offload_ratio`` < 1 only the leaves of the params in ``plan.offloaded_paths`` do (and
+    the leaves no param owns, such as counts), the others stay in device memory.
     """
 
     step: jax.Array  # i32[] optimizer steps taken, skipped ones included
@@ -115,6 +120,7 @@ def shard_train_state(
         init_fn = None
         abstract = params_or_init
     plan = ZeroPlan.create(abstract, mesh, config, param_specs=param_specs)
+    check_split(plan, tx)
     build = _build_fn(plan, tx)
     sh = state_shardings(plan, tx)
     out_shardings = (sh.params, sh.master, sh.opt_state)
@@ -150,6 +156,7 @@ def abstract_train_state(params_or_init, tx: optax.GradientTransformation, *, me
     if callable(params_or_init):
         params_or_init = jax.eval_shape(params_or_init, jax.random.PRNGKey(0))
     plan = ZeroPlan.create(params_or_init, mesh, config, param_specs=param_specs)
+    check_split(plan, tx)
     sh = state_shardings(plan, tx)
     abstract_full = plan.map(lambda lay: jax.ShapeDtypeStruct(lay.shape, lay.dtype))
     params, master, opt_state = jax.eval_shape(_build_fn(plan, tx), abstract_full)

@@ -4,7 +4,10 @@ The gradient comes from :func:`zerojax.stages.gradients.grads_fn`; loss scaling,
 skipping, DeepSpeed's clipping coefficient and the optax update run on the partitioned
 gradients, so each device updates only its 1/N of the optimizer state. With
 ``offload_optimizer="cpu"`` the update runs on the host inside the same program
-(:mod:`zerojax.offload.host_update`); with ``fused_adam`` through the Pallas kernel.
+(:mod:`zerojax.offload.host_update`); with ``offload_ratio`` < 1 (stage 3) only for the params
+whose optimizer state the plan keeps in host memory, while the others are updated on the
+device in the same step (:mod:`zerojax.offload.partial`); with ``fused_adam`` through the
+Pallas kernel.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from zerojax.contract import METRIC_KEYS, NON_FINITE, OK, SCALE_AT_MIN, StepBase
 from zerojax.errors import HostUpdateWarning
 from zerojax.kernels.fused_update import fused_adamw_update
 from zerojax.offload.host_update import host_apply_fn
+from zerojax.offload.partial import check_split
 from zerojax.plan import DEVICE, ZeroPlan
 from zerojax.precision import global_norm, tree_all_finite
 from zerojax.stages.gradients import grads_fn
@@ -36,22 +40,41 @@ def _update_fn(loss_fn: Callable, plan: ZeroPlan, tx, has_aux: bool, fused_adam:
     fp16 = cfg.precision == "fp16"
     compute_grads = grads_fn(loss_fn, plan, has_aux)
     homes = state_shardings(plan, tx)
+    check_split(plan, tx)
+    split = plan.partial_offload  # offload_ratio < 1: some params' state on the host, the rest here
 
     host_apply = compute_on_host(host_apply_fn(plan, tx)) if plan.host_update else None
 
-    def on_host(state, scaled, scale, coef, skip):
+    def on_host(state, scaled, grads, scale, coef, skip):
         # ZeRO-Offload: the (still loss-scaled) gradients travel to the host in the compute
         # dtype, the host updates the fp32 master and moments and sends back compute-dtype
-        # params, which the device then gathers (stages 1–2).
-        to_host = plan.map(lambda lay, g: jax.device_put(g.astype(plan.compute_dtype), plan.master_sharding(lay)),
-                           scaled)
+        # params, which the device then gathers (stages 1–2). With a split state only the
+        # host side's leaves travel; the device side is updated here, in the same program.
+        to_host = plan.map(lambda lay, g: jax.device_put(g.astype(plan.compute_dtype), plan.master_sharding(lay))
+                           if plan.opt_on_host(lay) else None, scaled)
         master = master_view(plan, state)
         if not plan.has_master:  # fp32: the device's params are the master
             master = plan.map(lambda lay, x: jax.device_put(x, plan.master_sharding(lay)), master)
-        new_params, master, opt_state = host_apply(to_host, master, state.opt_state, scale, coef, skip)
-        new_params = plan.map(lambda lay, x: jax.device_put(x, plan.master_sharding(lay).with_memory_kind(DEVICE)),
-                              new_params)
-        return params_from_master(plan, new_params), master, opt_state
+        host_master = plan.share(master, True) if split else master
+        host_opt = plan.opt_share(state.opt_state, True) if split else state.opt_state
+        new_params, new_master, opt_state = host_apply(to_host, host_master, host_opt, scale, coef, skip)
+        new_params = plan.map(lambda lay, x: None if x is None else jax.device_put(
+            x, plan.master_sharding(lay).with_memory_kind(DEVICE)), new_params)
+        if split:
+            dev_master, dev_opt = device_side(state, master, grads, coef, skip)
+            new_params = plan.merge(new_params, dev_master)
+            new_master = plan.merge(new_master, dev_master) if plan.has_master else None
+            opt_state = plan.opt_merge(state.opt_state, opt_state, dev_opt)
+        return params_from_master(plan, new_params), new_master, opt_state
+
+    def device_side(state, master, grads, coef, skip):
+        # the device side of a split optimizer state: its master and moments never leave
+        # device memory; the leaves no param owns (counts) are read from their home on the host
+        master = plan.share(master, False)
+        opt_state = plan.fetch(plan.opt_share(state.opt_state, False), homes.opt_state)
+        grads = plan.map(lambda lay, g: None if plan.opt_on_host(lay) else g / coef, grads)
+        new = optax_update(plan, tx, master, grads, opt_state)
+        return jax.tree_util.tree_map(lambda o, n: jnp.where(skip, o, n), (master, opt_state), new)
 
 
     def on_device(state, grads, skip):
@@ -92,7 +115,7 @@ def _update_fn(loss_fn: Callable, plan: ZeroPlan, tx, has_aux: bool, fused_adam:
         done = None
         if host_apply is not None:
             try:
-                done = on_host(state, scaled, scale, coef, skip)
+                done = on_host(state, scaled, grads, scale, coef, skip)
             except ValueError as e:  # raised while tracing, before anything runs
                 if "memory_space" not in str(e):
                     raise

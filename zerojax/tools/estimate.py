@@ -372,6 +372,9 @@ def estimate(params_or_shapes, mesh_or_device_count, config: Optional[ZeroConfig
         report = zj.estimate(shapes, 64, zj.ZeroConfig(stage=2, precision="bf16"))
         print(report)                      # per part, MiB
         report.max_bytes("pinned_host")    # with offload_optimizer="cpu"
+
+    With ``offload_ratio`` < 1 (stage 3) the report follows the plan's per-leaf split: the
+    offloaded leaves' master and moments under "pinned_host", the others under "device".
     """
     config = ZeroConfig() if config is None else config
     if not isinstance(config, ZeroConfig):

@@ -10,7 +10,8 @@ import optax
 import pytest
 
 import zerojax as zj
-from tests.helpers import batches, init_params, loss_fn, max_rel_err, reference_train
+from tests import broken
+from tests.helpers import batches, init_params, loss_fn, max_rel_err, reference_run
 from zerojax.offload import nvme
 from zerojax.offload.nvme_step import HostLoopStep
 
@@ -31,20 +32,40 @@ def logical(state):
     return plan.map(lambda lay, x: plan.unpad(x, lay) if lay.params_partitioned else x, state.params)
 
 
-@pytest.mark.parametrize("stage", [1, 3])
-def test_nvme_training_equals_plain_optax(tmp_path, stage):
+CLIP = 0.05  # below every step's gradient norm (0.17-0.36 here): it clips every step
+
+
+def check_nvme_training(path, stage):
     data = batches(4)
-    want, _ = reference_train(init_params(jax.random.PRNGKey(0)), adamw(), data, clip=0.5)
-    state = nvme_state(tmp_path, stage=stage, gradient_clipping=0.5)
+    ref = reference_run(init_params(jax.random.PRNGKey(0)), adamw(), data, clip=CLIP)
+    state = nvme_state(path, stage=stage, gradient_clipping=CLIP)
     assert state.master is None and state.opt_state is None  # nothing of the optimizer in memory
     step = zj.make_train_step(loss_fn, state)
     assert isinstance(step, HostLoopStep)
-    for b in data:
-        state, _ = step(state, b)
+    norms = []
+    try:
+        for b in data:
+            state, m = step(state, b)
+            norms.append(float(m["grad_norm"]))
+    finally:
+        step.close()
     # HostAdamW folds the bias corrections into one step size: a few ulps from optax's rounding
-    assert max_rel_err(logical(state), want) < 3e-6
-    assert os.path.exists(tmp_path / "zerojax_optimizer_p0" / "COMMITTED")
-    step.close()
+    err = max_rel_err(logical(state), ref.params)
+    assert err < 3e-6, f"params differ from the clipped reference by {err:.2e}"
+    assert min(ref.norms) > CLIP
+    np.testing.assert_allclose(norms, ref.norms, rtol=1e-5)
+    assert os.path.exists(path / "zerojax_optimizer_p0" / "COMMITTED")
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_nvme_training_equals_plain_optax(tmp_path, stage):
+    check_nvme_training(tmp_path, stage)
+
+
+def test_nvme_clipping_check_catches_an_inverted_coefficient(tmp_path, monkeypatch):
+    broken.invert_clipping(monkeypatch)
+    with pytest.raises(AssertionError, match="params differ"):
+        check_nvme_training(tmp_path, 1)
 
 
 def test_nvme_equals_in_memory_host_optimizer_bitwise(tmp_path):

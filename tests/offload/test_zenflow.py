@@ -1,5 +1,6 @@
-"""ZenFlow: config checks, column selection, staleness bound, Zen-auto, and equality with plain
-offloaded AdamW where the algorithm reduces to it."""
+"""ZenFlow: config checks, column selection, the trajectory of a written-out numpy ZenFlow step
+by step (overlap on and off, warm-up, reselection, a schedule, clipping) with its staleness,
+Zen-auto, and equality with plain offloaded AdamW where the algorithm reduces to it."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,8 +8,10 @@ import optax
 import pytest
 
 import zerojax as zj
+from tests import broken
 from tests.helpers import batches, init_params, loss_fn, max_rel_err, reference_train
-from zerojax.offload.zenflow import AUTO_MAX_INTERVAL, zenflow_settings
+from tests.offload.zenflow_reference import ZenFlowReference
+from zerojax.offload.zenflow import AUTO_MAX_INTERVAL, ZenFlowStep, zenflow_settings
 
 
 def adamw():
@@ -97,18 +100,94 @@ def test_selection_picks_the_rows_with_the_largest_gradient_l1_norms():
     step.close()
 
 
+# ------------------------------------------------------------- against the numpy ZenFlow
+SCHEDULE = optax.linear_schedule(1e-2, 2e-3, 6)  # the host must use the lr of the step it follows
+CASES = {  # (overlap_step, full_warm_up_rounds, gradient_clipping)
+    "sync": (False, 0, 0.0),
+    "overlap": (True, 0, 0.0),
+    "overlap-warm-up-clipped": (True, 1, 0.05),  # 0.05: below every step's norm, it clips
+}
+_grad = jax.jit(jax.grad(loss_fn))
+
+
+def check_against_reference(case, steps=6, interval=2):
+    overlap, warm, clip = CASES[case]
+    params = init_params(jax.random.PRNGKey(0))
+    block = {"update_interval": interval, "topk_ratio": 0.25, "overlap_step": overlap, "select_strategy": "step",
+             "select_interval": 2 * interval, "full_warm_up_rounds": warm}
+    tx = optax.inject_hyperparams(optax.adamw)(learning_rate=SCHEDULE, weight_decay=0.1)
+    state = zen_state(params, block, tx=tx, gradient_clipping=clip)
+    step = zj.make_train_step(loss_fn, state)
+    ref = ZenFlowReference(params, _grad, SCHEDULE, topk_ratio=0.25, update_interval=interval, overlap=overlap,
+                           select_interval=2 * interval, full_warm_up_rounds=warm, weight_decay=0.1, clip=clip)
+    norms = []
+    try:
+        for t, b in enumerate(batches(steps)):
+            state, m = step(state, b)
+            want = ref.step(b)
+            err = max_rel_err(logical_params(state), want)
+            assert err < 1e-6, f"{case}: params differ from the reference after step {t + 1} by {err:.2e}"
+            norms.append(float(m["grad_norm"]))
+        state = step.finish(state)
+        err = max_rel_err(logical_params(state), ref.finish())
+        assert err < 1e-6, f"{case}: params differ from the reference after finish by {err:.2e}"
+    finally:
+        step.close()
+    np.testing.assert_allclose(norms, ref.norms, rtol=1e-5)
+    if clip:
+        assert min(ref.norms) > clip
+    assert ref.selections == 2 and ref.host_updates > 0
+    # staleness measured row by row on the reference trajectory: the bound is reached, never exceeded
+    bound = 2 * interval - 1 if overlap else interval - 1
+    assert max(ref.staleness) == bound, ref.staleness
+    return ref
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_zenflow_follows_the_numpy_reference_step_by_step(case):
+    check_against_reference(case)
+
+
+def test_reference_check_catches_host_updates_landing_an_interval_late(monkeypatch):
+    real = ZenFlowStep._apply
+
+    def late(self, params, result):
+        # each host result lands with the next update instead (its bookkeeping on time, so only
+        # the comparison with the reference can tell)
+        previous, self._late = getattr(self, "_late", None), result
+        if previous is None:
+            self.host_updates += 1
+            self.reflected = max(self.reflected, result[1])
+            return params
+        return real(self, params, (previous[0], result[1]))
+
+    monkeypatch.setattr(ZenFlowStep, "_apply", late)
+    with pytest.raises(AssertionError, match="params differ"):
+        check_against_reference("sync")
+
+
+def test_reference_check_catches_an_inverted_clip_coefficient(monkeypatch):
+    broken.invert_clipping(monkeypatch)
+    with pytest.raises(AssertionError, match="params differ"):
+        check_against_reference("overlap-warm-up-clipped")
+
+
 @pytest.mark.parametrize("overlap,interval", [(True, 3), (False, 3), (True, 1)])
 def test_staleness_bound(overlap, interval):
+    """The step's own staleness metric agrees with the reference's row-by-row measure."""
     params = init_params(jax.random.PRNGKey(0))
     state = zen_state(params, {"update_interval": interval, "topk_ratio": 0.2, "overlap_step": overlap,
                                "select_strategy": "step", "select_interval": 50})
     step = zj.make_train_step(loss_fn, state)
+    ref = ZenFlowReference(params, _grad, lambda count: 1e-2, topk_ratio=0.2, update_interval=interval,
+                           overlap=overlap, select_interval=50, weight_decay=0.1)
     seen = []
     for b in batches(4 * interval + 2):
         state, m = step(state, b)
+        ref.step(b)
         seen.append(m["staleness"])
     bound = 2 * interval - 1 if overlap else interval - 1
-    assert max(seen) == bound  # reached, never exceeded
+    assert max(ref.staleness) == bound and seen == ref.staleness
     state = step.finish(state)
     assert step.max_staleness == bound
     step.close()

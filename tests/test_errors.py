@@ -30,7 +30,7 @@ def test_mesh_without_data_axis(params):
     (dict(stage=2, offload_param="cpu"), "offload_param"),
     (dict(stage=1, offload_optimizer="nvme"), "nvme_path"),
     (dict(stage=1, offload_optimizer="gpu"), "offload_optimizer"),
-    (dict(stage=3, max_live_parameters=0), "max_live_parameters"),
+    (dict(stage=3, max_live_parameters=-1), "max_live_parameters"),
 ])
 def test_bad_config_values(bad, match):
     with pytest.raises(zj.ConfigError, match=match):

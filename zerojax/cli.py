@@ -3,7 +3,9 @@
     zerojax config check ds_config.json --world-size 8 --hidden-size 4096 \\
         --training-args '{"per_device_train_batch_size": 4, "bf16": true}'
 
-prints the resolved ZeroConfig (every field, "auto" filled) as JSON, or the errors (exit code 2).
+prints, for every key of the file, whether zerojax honours it, ignores it (warned when that
+makes a difference) or refuses it, and why (exit code 2 if anything is refused); with
+``--json``, the resolved ZeroConfig (every field, "auto" filled) as JSON, or the errors.
 
 Adding a command: write ``_add_<group>_<name>(subparsers)`` that adds its parser and sets
 ``func`` (a function of the parsed arguments returning the exit code), then list it under its
@@ -19,14 +21,14 @@ import os
 import sys
 import warnings
 from typing import Callable, Optional, Sequence
-from zerojax.errors import ConfigError
 
+from zerojax.config import ZeroConfig
+from zerojax.config.deepspeed import TrainingArgs, key_report
+from zerojax.errors import ConfigError
 
 
 def _training_args(text: Optional[str]):
     """A TrainingArgs from a JSON file path or an inline JSON object."""
-    from zerojax.config.deepspeed import TrainingArgs
-
     if text is None:
         return None
     try:
@@ -42,9 +44,7 @@ def _training_args(text: Optional[str]):
     return TrainingArgs.from_dict(values)
 
 
-def _run_config_check(args: argparse.Namespace) -> int:
-    from zerojax.config import ZeroConfig
-
+def _print_resolved(args: argparse.Namespace) -> int:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
@@ -59,9 +59,27 @@ def _run_config_check(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_config_check(args: argparse.Namespace) -> int:
+    if args.json:
+        return _print_resolved(args)
+    rows = key_report(args.config, training_args=_training_args(args.training_args),
+                      world_size=args.world_size, hidden_size=args.hidden_size)
+    width = max((len(r.kind) for r in rows), default=0)
+    for r in rows:
+        value = f" = {json.dumps(r.value)}" if r.in_file else " (not in the file)"
+        print(f"{r.kind:<{width}}  {r.path}{value}")
+        print("\n".join(" " * (width + 4) + line for line in r.why.splitlines()))
+    counts = {kind: sum(r.kind == kind for r in rows) for kind in ("honoured", "ignored", "warned-ignored", "refused")}
+    print(", ".join(f"{n} {kind}" for kind, n in counts.items()))
+    return 2 if counts["refused"] else 0
+
+
 def _add_config_check(sub) -> None:
-    p = sub.add_parser("check", help="resolve a DeepSpeed JSON config and print it, or its errors")
+    p = sub.add_parser("check", help="say, for every key of a DeepSpeed JSON config, whether zerojax honours, "
+                                     "ignores or refuses it (--json: print the resolved config)")
     p.add_argument("config", help="path to the DeepSpeed JSON config")
+    p.add_argument("--json", action="store_true",
+                   help="print the resolved ZeroConfig as JSON (warnings and errors on stderr) instead")
     p.add_argument("--world-size", type=int, default=None,
                    help="data-parallel size (default: the number of local JAX devices)")
     p.add_argument("--hidden-size", type=int, default=None, help='fills "auto" bucket sizes')
@@ -130,7 +148,6 @@ def _run_plan_step(args: argparse.Namespace) -> int:
     import jax
     import jax.numpy as jnp
 
-    from zerojax.config import ZeroConfig
     from zerojax.tools.estimate import zero_paper_bytes
     from zerojax.tools.planning import Ref, named_gpt, plan_step
 

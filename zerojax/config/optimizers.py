@@ -5,16 +5,17 @@
 from __future__ import annotations
 
 import warnings
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
 from zerojax.config import schedules
-from zerojax.config.checks import _optimizer_block
+from zerojax.config.checks import optimizer_block
 from zerojax.errors import ConfigError
 
-__all__ = ["optimizer_from_config"]
+__all__ = ["optimizer_from_config", "scale_by_adam_uncorrected"]
 
 
 def _trust_ratio(min_coeff, max_coeff) -> optax.GradientTransformation:
@@ -38,14 +39,40 @@ def _scale_by_adagrad(initial_accumulator_value, eps) -> optax.GradientTransform
     return optax.GradientTransformation(init, update)
 
 
-def _adam(learning_rate, b1, b2, eps, weight_decay, decoupled):
-    adam, decay = optax.scale_by_adam(b1, b2, eps), optax.add_decayed_weights(weight_decay)
+class ScaleByAdamState(NamedTuple):
+    count: jax.Array  # i32[] updates so far
+    mu: optax.Updates  # first moment, the params' structure and dtypes
+    nu: optax.Updates  # second moment
+
+
+def scale_by_adam_uncorrected(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> optax.GradientTransformation:
+    """Adam's direction without bias correction (DeepSpeed's ``bias_correction: false``):
+    ``m / (sqrt(v) + eps)`` with ``m``, ``v`` the raw exponential moving averages."""
+    def init(params):
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        return ScaleByAdamState(jnp.zeros([], jnp.int32), zeros, jax.tree.map(jnp.zeros_like, params))
+
+    def update(updates, state, params=None):
+        mu = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g, state.mu, updates)
+        nu = jax.tree.map(lambda v, g: b2 * v + (1 - b2) * jnp.square(g), state.nu, updates)
+        out = jax.tree.map(lambda m, v: m / (jnp.sqrt(v) + eps), mu, nu)
+        return out, ScaleByAdamState(optax.safe_increment(state.count), mu, nu)
+
+    return optax.GradientTransformation(init, update)
+
+
+def _scale_by_adam(b1, b2, eps, bias_correction):
+    return optax.scale_by_adam(b1, b2, eps) if bias_correction else scale_by_adam_uncorrected(b1, b2, eps)
+
+
+def _adam(learning_rate, b1, b2, eps, weight_decay, decoupled, bias_correction=True):
+    adam, decay = _scale_by_adam(b1, b2, eps, bias_correction), optax.add_decayed_weights(weight_decay)
     parts = (adam, decay) if decoupled else (decay, adam)  # AdamW vs torch Adam's L2 on the gradient
     return optax.chain(*parts, optax.scale_by_learning_rate(learning_rate))
 
 
-def _lamb(learning_rate, b1, b2, eps, weight_decay, min_coeff, max_coeff):
-    return optax.chain(optax.scale_by_adam(b1, b2, eps), optax.add_decayed_weights(weight_decay),
+def _lamb(learning_rate, b1, b2, eps, weight_decay, min_coeff, max_coeff, bias_correction=True):
+    return optax.chain(_scale_by_adam(b1, b2, eps, bias_correction), optax.add_decayed_weights(weight_decay),
                        _trust_ratio(min_coeff, max_coeff), optax.scale_by_learning_rate(learning_rate))
 
 
@@ -67,7 +94,8 @@ def optimizer_from_config(config: ZeroConfig) -> optax.GradientTransformation:
     """The optax optimizer for ``config.optimizer`` (DeepSpeed's names, params and defaults).
 
     Adam is AdamW (decoupled weight decay) unless ``adam_w_mode`` is false, which adds
-    ``weight_decay * param`` to the gradient as torch's Adam does. The learning rate follows
+    ``weight_decay * param`` to the gradient as torch's Adam does. ``bias_correction: false``
+    (Adam, AdamW, Lamb) uses the raw moment averages, as DeepSpeed's fused kernels do. The learning rate follows
     ``config.scheduler`` when there is one; OneCycle with ``cycle_momentum`` also cycles beta1
     and, as DeepSpeed does, sets beta2 to 0.99 (optimizers without betas skip it with a warning).
     No gradient clipping here: the engine clips with ``config.gradient_clipping``.
@@ -79,7 +107,7 @@ def optimizer_from_config(config: ZeroConfig) -> optax.GradientTransformation:
     if config.optimizer is None:
         raise ConfigError("ZeroConfig.optimizer is None: the DeepSpeed config had no optimizer block. "
                           'Fix: add "optimizer": {"type": "AdamW", "params": {...}} or build your own optax optimizer')
-    block = _optimizer_block(config.optimizer, [])
+    block = optimizer_block(config.optimizer)
     name, p = block["type"], dict(block["params"])
     lr = schedules.from_deepspeed(config.scheduler, p["lr"]) if config.scheduler else p["lr"]
     b1, b2 = p.get("betas", (None, None))
@@ -91,9 +119,11 @@ def optimizer_from_config(config: ZeroConfig) -> optax.GradientTransformation:
                       "(as in DeepSpeed). Set it to false to silence this warning", stacklevel=2)
     wd = p["weight_decay"]
     if name in ("Adam", "AdamW"):
-        factory, kwargs = _adam, dict(b1=b1, b2=b2, eps=p["eps"], decoupled=name == "AdamW" or p["adam_w_mode"])
+        factory, kwargs = _adam, dict(b1=b1, b2=b2, eps=p["eps"], decoupled=name == "AdamW" or p["adam_w_mode"],
+                                      bias_correction=p["bias_correction"])
     elif name == "Lamb":
-        factory, kwargs = _lamb, dict(b1=b1, b2=b2, eps=p["eps"], min_coeff=p["min_coeff"], max_coeff=p["max_coeff"])
+        factory, kwargs = _lamb, dict(b1=b1, b2=b2, eps=p["eps"], min_coeff=p["min_coeff"], max_coeff=p["max_coeff"],
+                                      bias_correction=p["bias_correction"])
     elif name == "Lion":
         factory, kwargs = _lion, dict(b1=b1, b2=b2)
     elif name == "Adagrad":

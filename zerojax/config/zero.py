@@ -11,64 +11,65 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
+from zerojax.config import schema
 from zerojax.config.deepspeed import deepspeed_fields
-from zerojax.errors import ConfigError
-from zerojax.precision import PRECISIONS, LossScaler
+from zerojax.precision import LossScaler
 
-
-OFFLOAD_DEVICES = (None, "none", "cpu", "nvme")
+_D = schema.defaults()  # the defaults live in zerojax.config.schema.FIELDS, with each field's check
 
 
 @dataclasses.dataclass(frozen=True)
 class ZeroConfig:
+    """Every knob of the engine. Each field's DeepSpeed key, defaults (ZeroConfig's and
+    DeepSpeed's where they differ), check and the rules between fields are in
+    :data:`zerojax.config.schema.FIELDS` / ``RULES``; construction checks and normalises
+    them (``"none"`` offload devices become None, integral floats such as ``5e8`` ints)."""
+
     # --- partitioning ---------------------------------------------------------------
-    stage: int = 0
-    data_axis: str = "data"
+    stage: int = _D["stage"]
+    data_axis: str = _D["data_axis"]
     # --- precision ------------------------------------------------------------------
-    precision: str = "fp32"  # fp32 | bf16 | fp16
+    precision: str = _D["precision"]  # fp32 | bf16 | fp16
     # fp16 loss scaling (DeepSpeed's fp16 block)
-    loss_scale: float = 0.0  # 0 = dynamic
-    initial_scale_power: int = 16
-    loss_scale_window: int = 1000
-    hysteresis: int = 2
-    consecutive_hysteresis: bool = False
-    min_loss_scale: float = 1.0
+    loss_scale: float = _D["loss_scale"]  # 0 = dynamic
+    initial_scale_power: int = _D["initial_scale_power"]
+    loss_scale_window: int = _D["loss_scale_window"]
+    hysteresis: int = _D["hysteresis"]
+    consecutive_hysteresis: bool = _D["consecutive_hysteresis"]
+    min_loss_scale: float = _D["min_loss_scale"]
     # bf16: skip steps whose gradients hold inf/nan
-    check_grad_overflow: bool = True
+    check_grad_overflow: bool = _D["check_grad_overflow"]
     # --- the step -------------------------------------------------------------------
-    gradient_accumulation_steps: int = 1
-    gradient_clipping: float = 0.0  # 0 disables
-    train_micro_batch_size_per_gpu: Optional[int] = None
-    train_batch_size: Optional[int] = None
+    gradient_accumulation_steps: int = _D["gradient_accumulation_steps"]
+    gradient_clipping: float = _D["gradient_clipping"]  # 0 disables (DeepSpeed's default is 1.0)
+    train_micro_batch_size_per_gpu: Optional[int] = _D["train_micro_batch_size_per_gpu"]
+    train_batch_size: Optional[int] = _D["train_batch_size"]
     # --- collectives (elements) -----------------------------------------------------
-    reduce_scatter: bool = True
-    reduce_bucket_size: int = 500_000_000
-    allgather_bucket_size: int = 500_000_000
-    overlap_comm: Optional[bool] = None  # None: True for stage 3, else False
-    contiguous_gradients: bool = True
-    prefetch_bucket_size: int = 50_000_000
-    param_persistence_threshold: int = 100_000
-    max_live_parameters: int = 1_000_000_000
-    max_reuse_distance: int = 1_000_000_000
-    gather_16bit_weights_on_model_save: bool = False
-    sub_group_size: int = 1_000_000_000
+    reduce_scatter: bool = _D["reduce_scatter"]
+    reduce_bucket_size: int = _D["reduce_bucket_size"]
+    allgather_bucket_size: int = _D["allgather_bucket_size"]
+    overlap_comm: Optional[bool] = _D["overlap_comm"]  # None: True for stage 3, else False
+    prefetch_bucket_size: int = _D["prefetch_bucket_size"]
+    param_persistence_threshold: int = _D["param_persistence_threshold"]
+    max_live_parameters: int = _D["max_live_parameters"]
+    max_reuse_distance: int = _D["max_reuse_distance"]
+    gather_16bit_weights_on_model_save: bool = _D["gather_16bit_weights_on_model_save"]
+    sub_group_size: int = _D["sub_group_size"]
     # --- offload --------------------------------------------------------------------
-    offload_optimizer: Optional[str] = None  # None | "cpu" | "nvme"
-    offload_param: Optional[str] = None  # stage 3 only
-    nvme_path: Optional[str] = None
-    pin_memory: bool = True
-    offload_ratio: float = 1.0
+    offload_optimizer: Optional[str] = _D["offload_optimizer"]  # None | "cpu" | "nvme"
+    offload_param: Optional[str] = _D["offload_param"]  # stage 3 only
+    nvme_path: Optional[str] = _D["nvme_path"]
+    pin_memory: bool = _D["pin_memory"]
+    offload_ratio: float = _D["offload_ratio"]
     # --- what a DeepSpeed file carried beyond the engine (resolved blocks) -----------
-    optimizer: Optional[dict] = None
-    scheduler: Optional[dict] = None
-    zenflow: Optional[dict] = None
+    optimizer: Optional[dict] = _D["optimizer"]
+    scheduler: Optional[dict] = _D["scheduler"]
+    zenflow: Optional[dict] = _D["zenflow"]
 
     def __post_init__(self):
-        # normalise "none" to None so comparisons elsewhere stay simple
-        for key in ("offload_optimizer", "offload_param"):
-            if getattr(self, key) == "none":
-                object.__setattr__(self, key, None)
-        _validate(self)
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        for key, value in schema.validate(values).items():
+            object.__setattr__(self, key, value)
 
     # ------------------------------------------------------------------------------
     @property
@@ -94,51 +95,6 @@ class ZeroConfig:
         """Read a DeepSpeed JSON config (path or dict), filling "auto" from training_args."""
         return cls(**deepspeed_fields(path_or_dict, training_args=training_args, world_size=world_size,
                                       hidden_size=hidden_size))
-
-
-def _err(key: str, value, expected: str, fix: str) -> ConfigError:
-    return ConfigError(f"ZeroConfig.{key}={value!r} is invalid: expected {expected}. Fix: {fix}")
-
-
-def _validate(c: ZeroConfig) -> None:
-    if c.stage not in (0, 1, 2, 3) or isinstance(c.stage, bool):
-        raise _err("stage", c.stage, "one of 0, 1, 2, 3", "pick a ZeRO stage: 0 replicates, 1 partitions "
-                   "optimizer state, 2 also gradients, 3 also parameters")
-    if c.precision not in PRECISIONS:
-        raise _err("precision", c.precision, f"one of {PRECISIONS}", 'use precision="bf16" for mixed precision')
-    if not isinstance(c.gradient_accumulation_steps, int) or c.gradient_accumulation_steps < 1:
-        raise _err("gradient_accumulation_steps", c.gradient_accumulation_steps, "an int >= 1",
-                   "set it to the number of micro-batches per optimizer step")
-    if c.gradient_clipping < 0:
-        raise _err("gradient_clipping", c.gradient_clipping, "a float >= 0 (0 disables clipping)", "use 0 or a positive norm")
-    for key in ("reduce_bucket_size", "allgather_bucket_size", "prefetch_bucket_size", "max_live_parameters",
-                "sub_group_size"):
-        if getattr(c, key) < 1:
-            raise _err(key, getattr(c, key), "a positive number of elements", "use e.g. 5e8")
-    if c.param_persistence_threshold < 0:
-        raise _err("param_persistence_threshold", c.param_persistence_threshold, "an int >= 0",
-                   "use 0 to partition every parameter")
-    if c.loss_scale < 0:
-        raise _err("loss_scale", c.loss_scale, "0 (dynamic) or a positive static scale", "use 0")
-    if c.loss_scale_window < 1 or c.hysteresis < 1 or c.min_loss_scale <= 0:
-        raise _err("loss_scale_window/hysteresis/min_loss_scale",
-                   (c.loss_scale_window, c.hysteresis, c.min_loss_scale), "window >= 1, hysteresis >= 1, min > 0",
-                   "use DeepSpeed's defaults 1000, 2, 1")
-    for key in ("offload_optimizer", "offload_param"):
-        if getattr(c, key) not in OFFLOAD_DEVICES:
-            raise _err(key, getattr(c, key), 'None, "cpu" or "nvme"', f'use {key}="cpu"')
-    if c.offload_param is not None and c.stage != 3:
-        raise _err("offload_param", c.offload_param, "offload_param only with stage 3",
-                   "set stage=3 or offload only the optimizer (offload_optimizer)")
-    if c.offload_optimizer is not None and c.stage == 0:
-        raise _err("offload_optimizer", c.offload_optimizer, "stage 1, 2 or 3 for optimizer offload",
-                   "set stage=1 or higher")
-    if "nvme" in (c.offload_optimizer, c.offload_param) and not c.nvme_path:
-        raise _err("nvme_path", c.nvme_path, "a directory when offloading to nvme", "set nvme_path='/local/nvme'")
-    if not 0 < c.offload_ratio <= 1:
-        raise _err("offload_ratio", c.offload_ratio, "a fraction in (0, 1]", "use 1.0")
-    if c.offload_ratio < 1 and c.stage != 3:
-        raise _err("offload_ratio", c.offload_ratio, "ratio < 1 only with stage 3", "use ratio 1.0 or stage 3")
 
 
 def config_from_deepspeed(path_or_dict, training_args=None, world_size=None, hidden_size=None) -> ZeroConfig:

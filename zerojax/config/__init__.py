@@ -4,9 +4,12 @@
     config = zj.ZeroConfig.from_deepspeed("ds_config.json", training_args=zj.TrainingArgs(...))
     tx = zj.optimizer_from_config(config)
 
-Layered bottom-up: ``schedules`` and ``checks`` (DeepSpeed's rules per block) know nothing
-of the others, ``optimizers`` builds optax from a resolved block, ``deepspeed`` reads a file
-into fields, ``zero`` holds the dataclass.
+Layered bottom-up: ``schedules``; ``schema`` (every ZeroConfig field once: its DeepSpeed
+keys, defaults, check, and the rules between fields); ``keys`` (DeepSpeed 0.19.8's keys per
+block: honoured, ignored or refused); ``verdicts`` (what a read decided per key); ``checks``
+(the block readers); ``auto`` ("auto" filling, TrainingArgs); ``optimizers`` (optax from a
+resolved block); ``deepspeed`` (a file into fields, and the per-key report); ``zero`` (the
+dataclass, validated by the schema).
 """
 from zerojax.config import schedules as schedules
 from zerojax.config.deepspeed import TrainingArgs as TrainingArgs

@@ -70,11 +70,10 @@ def read_block(block, table: dict, path: str, v: Verdicts, stage: Optional[int] 
             except Invalid as e:
                 v.refuse(full, _bad_value(full, value, entry, str(e)))
                 continue
-        if entry.subkeys and isinstance(value, dict) and set(value) - set(entry.subkeys):
-            odd = sorted(set(value) - set(entry.subkeys), key=str)[0]
-            v.refuse(f"{full}.{odd}", f'Unknown key "{full}.{odd}" (DeepSpeed refuses it). '
-                     f"{did_you_mean(odd, entry.subkeys)}")
-            continue
+        if entry.subkeys and isinstance(value, dict):
+            for odd in (k for k in value if k not in entry.subkeys):
+                v.refuse(f"{full}.{odd}", f'Unknown key "{full}.{odd}" (DeepSpeed refuses it). '
+                         f"{did_you_mean(odd, entry.subkeys)}")
         given[key] = value
         if entry.honoured:
             v.honour(full, f"-> ZeroConfig.{entry.field}" if entry.field in FIELDS else f"read by {entry.field}")

@@ -3,7 +3,7 @@ monkeypatches one in (inside the test only) and asserts that the check it guards
 import jax
 
 from zerojax import optim
-from zerojax.offload import nvme_step, zenflow
+from zerojax.offload import host_update, nvme_step, zenflow
 from zerojax.stages import device_step, update
 
 # every module that imported clip_coefficient by name
@@ -18,8 +18,9 @@ def invert_clipping(monkeypatch) -> None:
 
 
 def update_without_master(monkeypatch) -> None:
-    """The on-device update keeps no more than 16 bits: the master is rounded to the compute
-    dtype before and after every update, as if the 16-bit params were updated in place."""
+    """The update (on the device and the in-step host update) keeps no more than 16 bits: the
+    master is rounded to the compute dtype before and after every update, as if the 16-bit
+    params were updated in place."""
     real = update.optax_update
 
     def broken(plan, tx, master, grads, opt_state):
@@ -29,4 +30,5 @@ def update_without_master(monkeypatch) -> None:
         master, opt_state = real(plan, tx, to16(master), grads, opt_state)
         return to16(master), opt_state
 
-    monkeypatch.setattr(device_step, "optax_update", broken)
+    for module in (device_step, host_update):
+        monkeypatch.setattr(module, "optax_update", broken)

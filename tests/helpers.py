@@ -38,6 +38,7 @@ class Reference(NamedTuple):
     losses: list
     norms: list  # the global gradient norm of every step, before clipping
     skipped: list  # steps whose gradients overflowed (not applied)
+    scales: list  # the loss scale each step ran with
 
 
 def clip_grads(g, clip):
@@ -65,7 +66,7 @@ def reference_run(params, tx, data, clip=0.0) -> Reference:
         params, state, loss, norm = step(params, state, b)
         losses.append(float(loss))
         norms.append(float(norm))
-    return Reference(params, losses, norms, [False] * len(losses))
+    return Reference(params, losses, norms, [False] * len(losses), [1.0] * len(losses))
 
 
 def reference_train(params, tx, data, clip=0.0):
@@ -120,14 +121,17 @@ class DynamicScale:
 
 
 def mixed_reference_run(params, tx, data, precision, *, n=8, gas=1, stage=0, scale=1.0, clip=0.0,
-                        scaler=None) -> Reference:
+                        scaler=None, offload=False) -> Reference:
     """Mixed-precision data parallelism written out plainly, on one device.
 
-    An fp32 master, cast to the compute dtype for every forward; each device's gradient of
-    ``scale`` x its micro-batch's mean loss, in the compute dtype; the micro-batch gradients
-    accumulated in fp32 and reduced over devices in the compute dtype (once per step at stages
-    0-1, after every micro-batch from stage 2), then divided in fp32 by n x gas and the scale;
-    DeepSpeed's clipping on the fp32 gradient; fp32 optax on the master. ``scaler``: a
+    An fp32 master, cast to the compute dtype for every forward; each device's gradient of its
+    micro-batch's mean loss times ``scale / (n * gas)`` (the loss scale with the mean over
+    devices and micro-batches folded in), in the compute dtype; the micro-batch gradients
+    accumulated in fp32 and summed over devices in the compute dtype (once per step at stages
+    0-1, after every micro-batch from stage 2), then divided by the scale in fp32; DeepSpeed's
+    clipping on that fp32 gradient; fp32 optax on the master. ``offload``: the optimizer runs on
+    the host, which receives the (still scaled) gradient rounded to the compute dtype; the norm
+    and the clip coefficient come from the fp32 gradient before that. ``scaler``: a
     :class:`DynamicScale` (an overflow skips the update); otherwise the scale is static and an
     overflow is an error.
     """
@@ -152,10 +156,10 @@ def mixed_reference_run(params, tx, data, precision, *, n=8, gas=1, stage=0, sca
         u, opt_state = tx.update(g, opt_state, master)
         return optax.apply_updates(master, u), opt_state
 
-    out = Reference(None, [], [], [])
+    out = Reference(None, [], [], [], [])
     for batch in data:
         s = scaler.scale if scaler is not None else float(scale)
-        per_dev = jax.device_get(device_grads(master, device_micro_batches(batch, n, gas), f32(s)))
+        per_dev = jax.device_get(device_grads(master, device_micro_batches(batch, n, gas), f32(s) / f32(n * gas)))
         grads = [[treedef.flatten_up_to(g) for g, _ in dev] for dev in per_dev]
         leaves = []
         for j in range(treedef.num_leaves):
@@ -171,17 +175,22 @@ def mixed_reference_run(params, tx, data, precision, *, n=8, gas=1, stage=0, sca
                         acc = acc + dev[i][j].astype(np.float32)
                     local.append(acc.astype(cdt))
                 acc = sum_over_devices(local, cdt).astype(np.float32)
-            leaves.append(acc / np.float32(n * gas) / np.float32(s))
+            leaves.append(acc)
         loss = sum(float(l) for dev in per_dev for _, l in dev) / (n * gas)
         finite = all(np.isfinite(x).all() for x in leaves) and np.isfinite(loss)
         if scaler is not None:
             scaler.update(not finite)
         elif not finite:
             raise AssertionError(f"the static loss scale {s} overflows: choose a smaller one")
-        g, norm = clip_grads(treedef.unflatten([jnp.asarray(x) for x in leaves]), clip)
+        g, norm = clip_grads(treedef.unflatten([jnp.asarray(x / np.float32(s)) for x in leaves]), clip)
+        if offload:  # the host's gradient: rounded to the compute dtype while still scaled
+            coef = np.float32(max(1.0, (float(norm) + 1e-6) / clip)) if clip else np.float32(1.0)
+            g = treedef.unflatten([jnp.asarray(x.astype(cdt).astype(np.float32) / np.float32(s) / coef)
+                                   for x in leaves])
         out.losses.append(loss)
         out.norms.append(float(norm))
         out.skipped.append(not finite)
+        out.scales.append(s)
         if finite:
             master, opt_state = update(master, opt_state, g)
     return out._replace(params=master)

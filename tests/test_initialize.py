@@ -1,7 +1,9 @@
-import math
-"""zj.initialize: DeepSpeed configs in, a state and a step out, trained against plain optax and
-the schedules of REFERENCE.md section 5 (the first step runs at lbi = -1)."""
+"""zj.initialize: DeepSpeed configs in, a state and a step out, trained against plain optax (or
+the written-out mixed-precision reference) and the schedules of REFERENCE.md section 5 (the
+first step runs at lbi = -1)."""
 import importlib.util
+import json
+import math
 import pathlib
 
 import jax
@@ -11,16 +13,19 @@ import optax
 import pytest
 
 import zerojax as zj
-from tests.helpers import batches, init_params, loss_fn, max_rel_err, reference_train
+from tests import broken
+from tests.helpers import (DynamicScale, batches, init_params, loss_fn, max_rel_err, mixed_reference_run,
+                           reference_run, reference_train)
 from zerojax import ConfigError
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples" / "ds_configs"
 CONFIGS = ["zero1", "zero2", "zero3_offload", "auto_template"]
 HIDDEN = 20  # fills the "auto" bucket sizes: persistence threshold 10 * 20 = 200 elements
+CLIP = 0.05  # gradient_clipping "auto" <- max_grad_norm: below every step's norm (0.17-0.36), so it clips
 # 8 devices x 2 per device x 2 micro-batches = 32 samples per optimizer step
 ARGS = dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, learning_rate=1e-2, max_steps=20,
-            warmup_steps=3)
+            warmup_steps=3, max_grad_norm=CLIP)
 
 
 @pytest.fixture(scope="module")
@@ -41,39 +46,78 @@ pytestmark = pytest.mark.filterwarnings("ignore::zerojax.IgnoredKeysWarning")  #
 
 
 # --------------------------------------------------------------------------- example configs
-@pytest.mark.parametrize("name", CONFIGS)
-def test_example_configs_train_like_plain_optax(name, params):
+def check_example_config(name, params):
     args = zj.TrainingArgs(**ARGS)
     config = zj.ZeroConfig.from_deepspeed(EXAMPLES / f"{name}.json", args, world_size=8, hidden_size=HIDDEN)
     state, step = zj.initialize(params, loss_fn, config, training_args=args)
     assert state.plan.config.train_batch_size == 32 and state.plan.config.stage == config.stage
     data = batches(6, batch_size=32)
     state, losses, metrics = train(state, step, data)
-    want, want_losses = reference_train(params, zj.optimizer_from_config(config), data,
-                                        clip=config.gradient_clipping)
-    assert config.gradient_clipping == 1.0  # "auto" <- max_grad_norm
-    assert max_rel_err(state.full_params(), want) < 1e-5
-    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    ref = reference_run(params, zj.optimizer_from_config(config), data, clip=config.gradient_clipping)
+    assert config.gradient_clipping == CLIP  # "auto" <- max_grad_norm
+    err = max_rel_err(state.full_params(), ref.params)
+    assert err < 1e-5, f"{name}: params differ from plain optax by {err:.2e}"
+    np.testing.assert_allclose(losses, ref.losses, rtol=1e-5)
+    assert min(ref.norms) > CLIP
+    np.testing.assert_allclose([m["grad_norm"] for m in metrics], ref.norms, rtol=1e-5)
     assert all(np.isfinite(list(m.values())).all() for m in metrics)
     assert not any(m["skipped"] for m in metrics)
 
 
-@pytest.mark.parametrize("name,precision", [("zero1", "fp16"), ("zero2", "bf16"), ("zero3_offload", "bf16"),
-                                            ("auto_template", "fp16")])
-def test_example_configs_train_in_mixed_precision(name, precision, params):
+@pytest.mark.parametrize("name", CONFIGS)
+def test_example_configs_train_like_plain_optax(name, params):
+    check_example_config(name, params)
+
+
+def test_example_config_check_catches_an_inverted_clip_coefficient(monkeypatch, params):
+    broken.invert_clipping(monkeypatch)
+    with pytest.raises(AssertionError, match="params differ"):
+        check_example_config("zero2", params)
+
+
+def check_mixed_precision_config(name, precision, params):
     args = zj.TrainingArgs(**ARGS, **{precision: True})
     path = EXAMPLES / f"{name}.json"
     # the path itself, resolved by initialize at the mesh's data size
     state, step = zj.initialize(params, loss_fn, path, training_args=args, hidden_size=HIDDEN)
-    assert state.plan.config.precision == precision
-    before = state.full_params()
-    data = batches(1, batch_size=32) * 12  # one batch, repeated: the loss has to go down
+    config = state.plan.config
+    assert config.precision == precision
+    data = batches(8, batch_size=32)
     state, losses, metrics = train(state, step, data)
-    applied = [m for m in metrics if not m["skipped"]]  # an fp16 overflow step has an inf grad_norm
-    assert len(applied) >= 6 and all(np.isfinite(list(m.values())).all() for m in applied)
-    assert np.isfinite(losses).all()
-    assert losses[-1] < losses[0] - 0.05
-    assert max_rel_err(state.full_params(), before) > 1e-3
+    scaler = None
+    if precision == "fp16":  # the file's dynamic loss scale, with DeepSpeed's defaults for what it leaves out
+        block = json.loads(path.read_text())["fp16"]
+        scaler = DynamicScale(2.0 ** block.get("initial_scale_power", 16), block.get("loss_scale_window", 1000),
+                              block.get("hysteresis", 2), block.get("min_loss_scale", 1))
+    ref = mixed_reference_run(params, zj.optimizer_from_config(config), data, precision, n=8,
+                              gas=ARGS["gradient_accumulation_steps"], stage=config.stage, clip=CLIP, scaler=scaler,
+                              offload=config.offload_optimizer is not None)
+    assert [bool(m["skipped"]) for m in metrics] == ref.skipped
+    assert [m["loss_scale"] for m in metrics] == ref.scales
+    applied = [i for i, skipped in enumerate(ref.skipped) if not skipped]
+    assert len(applied) >= 4
+    err = max_rel_err(state.full_params(jnp.float32), ref.params)
+    assert err < 1e-5, f"{name}/{precision}: params differ from the casting reference by {err:.2e}"
+    np.testing.assert_allclose([losses[i] for i in applied], [ref.losses[i] for i in applied], rtol=1e-5)
+    assert min(ref.norms[i] for i in applied) > CLIP
+    np.testing.assert_allclose([metrics[i]["grad_norm"] for i in applied], [ref.norms[i] for i in applied],
+                               rtol=1e-5)
+
+
+MIXED = [("zero1", "fp16"), ("zero2", "bf16"), ("zero3_offload", "bf16"), ("zero3_offload", "fp16"),
+         ("auto_template", "fp16")]
+
+
+@pytest.mark.parametrize("name,precision", MIXED)
+def test_example_configs_train_in_mixed_precision(name, precision, params):
+    check_mixed_precision_config(name, precision, params)
+
+
+@pytest.mark.parametrize("name,precision", [("zero3_offload", "bf16")])
+def test_mixed_precision_config_check_catches_an_update_without_master(monkeypatch, name, precision, params):
+    broken.update_without_master(monkeypatch)
+    with pytest.raises(AssertionError, match="params differ"):
+        check_mixed_precision_config(name, precision, params)
 
 
 def test_offload_configs_train_with_state_in_host_memory(params):
@@ -196,7 +240,7 @@ def test_zero_config_is_checked_against_the_mesh(params):
 def test_without_optimizer_block_training_args_give_hugging_face_adamw(params):
     args = zj.TrainingArgs(per_device_train_batch_size=2, gradient_accumulation_steps=2, learning_rate=1e-2,
                            adam_beta1=0.8, adam_beta2=0.95, adam_epsilon=1e-6, weight_decay=0.1,
-                           max_grad_norm=0.5, warmup_steps=2, max_steps=6)
+                           max_grad_norm=CLIP, warmup_steps=2, max_steps=6)
     cfg = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
            "gradient_clipping": "auto", "zero_optimization": {"stage": 3, "param_persistence_threshold": 0}}
     state, step = zj.initialize(params, loss_fn, cfg, training_args=args)
@@ -207,9 +251,11 @@ def test_without_optimizer_block_training_args_give_hugging_face_adamw(params):
     np.testing.assert_allclose([m["learning_rate"] for m in metrics], [0, 5e-3, 1e-2, 7.5e-3, 5e-3, 2.5e-3],
                                atol=1e-9)
     tx = optax.adamw(schedule, b1=0.8, b2=0.95, eps=1e-6, weight_decay=0.1)
-    want, want_losses = reference_train(params, tx, data, clip=0.5)
-    assert max_rel_err(state.full_params(), want) < 1e-5
-    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    ref = reference_run(params, tx, data, clip=CLIP)
+    assert max_rel_err(state.full_params(), ref.params) < 1e-5
+    np.testing.assert_allclose(losses, ref.losses, rtol=1e-5)
+    assert min(ref.norms) > CLIP
+    np.testing.assert_allclose([m["grad_norm"] for m in metrics], ref.norms, rtol=1e-5)
 
 
 def test_training_args_adamw_follows_the_config_scheduler(params):

@@ -1,12 +1,14 @@
 """Checkpoints: any mesh / stage / offload on restore, exact resume, crash safety, consolidation."""
 import os
-import random
+import json
 import shutil
 import signal
 import subprocess
 import sys
 import time
+import textwrap
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +20,7 @@ from tests.helpers import batches, init_params, loss_fn
 from safetensors.numpy import load_file
 
 import zerojax as zj
-from zerojax.checkpoint import CheckpointError, CheckpointManager, consolidate
+from zerojax.checkpoint import CheckpointError, CheckpointManager, consolidate, manager, steps
 
 WORKER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "_ckpt_worker.py")
 TX = lambda: optax.adamw(1e-2, weight_decay=0.1)
@@ -119,34 +121,76 @@ def test_resume_is_bitwise_exact(halves, precision):
     assert_same(straight, resumed)
 
 
-def test_killed_saves_leave_a_restorable_checkpoint(tmp_path):
-    """SIGKILL a process at random points while it saves every step; the newest complete step restores."""
-    data = batches(40)
-    rng = random.Random(0)
-    dirs = [str(tmp_path / f"run{i}") for i in range(3)]
-    procs = [subprocess.Popen([sys.executable, WORKER, "loop", d], stdout=subprocess.PIPE,
-                              stderr=subprocess.DEVNULL, text=True) for d in dirs]
-    for p, target in zip(procs, (2, 3, 4)):
-        line = p.stdout.readline()
-        while line and not (line.startswith("SAVING") and int(line.split()[1]) >= target):
-            line = p.stdout.readline()
-        time.sleep(rng.uniform(0.0, 0.3))  # a save cycle takes about 0.5 s here; its write, ~0.1-0.2 s in
-        p.send_signal(signal.SIGKILL)
-        p.wait()
+def _kill_mid_write(directory: str, first: int, timeout: float = 120.0) -> int:
+    """Run the saving loop and SIGKILL it while a save's temporary directory exists: from step
+    ``first`` on, wait for ``<k>.orbax-checkpoint-tmp``, freeze the process (SIGSTOP: nothing can
+    rename it now), check the directory is still there and kill. Returns the step k killed."""
+    proc = subprocess.Popen([sys.executable, WORKER, "loop", directory], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True)
+    deadline = time.monotonic() + timeout
+    try:
+        for line in proc.stdout:
+            if not line.startswith("SAVING") or int(line.split()[1]) < first:
+                continue
+            k = int(line.split()[1])
+            tmp = os.path.join(directory, f"{k}.orbax-checkpoint-tmp")
+            while not os.path.exists(tmp) and not os.path.exists(os.path.join(directory, str(k))):
+                if time.monotonic() > deadline:
+                    raise AssertionError("the saving loop stalled")
+                time.sleep(0.0005)
+            proc.send_signal(signal.SIGSTOP)
+            if os.path.isdir(tmp) and not os.path.exists(os.path.join(directory, str(k))):
+                proc.send_signal(signal.SIGKILL)
+                return k
+            proc.send_signal(signal.SIGCONT)  # the write finished first: catch the next one
+        raise AssertionError("the saving loop ended before a kill landed mid-write")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        proc.stdout.close()
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory):
+    """Two saving loops, each killed in the middle of writing a step (at step >= 2, >= 4)."""
+    root = tmp_path_factory.mktemp("killed")
+    runs = [(str(root / f"run{first}"), first) for first in (2, 4)]
+    with ThreadPoolExecutor(len(runs)) as pool:  # side by side
+        return list(zip([d for d, _ in runs], pool.map(lambda run: _kill_mid_write(*run), runs)))
+
+
+def check_killed_saves(killed):
     reference = [make_state("fp32")]
     step = zj.make_train_step(loss_fn, reference[0], donate=False)
-    for d in dirs:
-        with warnings.catch_warnings(record=True) as caught:  # a tmp dir left by the kill is skipped
+    data = batches(40)
+    for directory, k in killed:
+        # the kill landed mid-write: step k's temporary directory is left, step k is not there
+        assert os.path.isdir(os.path.join(directory, f"{k}.orbax-checkpoint-tmp"))
+        assert not os.path.exists(os.path.join(directory, str(k)))
+        with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            resumed, data_state = CheckpointManager(d).restore(reference[0])
-        assert all("incomplete checkpoint" in str(w.message) for w in caught if "checkpoint" in str(w.message))
-        k = int(resumed.step)
-        assert k >= 1 and data_state == {"next_batch": k}
-        while len(reference) <= k:
+            resumed, data_state = CheckpointManager(directory).restore(reference[0])
+        text = " ".join(str(w.message) for w in caught)
+        assert f"skipping incomplete checkpoint {os.path.join(directory, f'{k}.orbax-checkpoint-tmp')}" in text
+        # the newest complete step: the one before (a save starts once the previous one is written)
+        assert int(resumed.step) == k - 1 and data_state == {"next_batch": k - 1}, (int(resumed.step), k)
+        while len(reference) <= k - 1:
             reference.append(step(reference[-1], data[len(reference) - 1])[0])
-        assert_same(reference[k], resumed)
-        resumed, _ = step(resumed, data[k])  # training continues
-        assert int(resumed.step) == k + 1
+        assert_same(reference[k - 1], resumed)
+        resumed, _ = step(resumed, data[k - 1])  # training continues
+        assert int(resumed.step) == k
+
+
+def test_killed_saves_leave_a_restorable_checkpoint(killed):
+    """SIGKILL a process in the middle of a save; the newest complete step restores."""
+    check_killed_saves(killed)
+
+
+def test_killed_save_check_catches_a_restore_of_an_older_step(killed, monkeypatch):
+    monkeypatch.setattr(manager, "pick_step", lambda directory, step: steps._scan(directory)[0])
+    with pytest.raises(AssertionError):
+        check_killed_saves(killed)
 
 
 # ------------------------------------------------------------------------------ bad input
@@ -208,6 +252,47 @@ def test_damaged_data_file_is_an_error(saved, tmp_path, damage):
         zj.checkpoint.restore(directory, abstract(8, stage=3, precision="bf16", param_persistence_threshold=0))
 
 
+def _flip_a_data_byte(directory):
+    """Flip one bit in the middle of the largest data chunk that step 2's state reads (the
+    OCDBT root's ``d/``; the per-process copies under ``ocdbt.process_*`` are merged into it)."""
+    root = directory / "2" / "state" / "d"
+    name = max((root / f for f in os.listdir(root)), key=os.path.getsize)
+    data = bytearray(name.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    name.write_bytes(bytes(data))
+
+
+def check_corrupt_chunk_is_an_error(directory):
+    with pytest.raises(CheckpointError, match=str(directory / "2")):
+        zj.checkpoint.restore(directory, abstract(8, stage=3, precision="bf16", param_persistence_threshold=0))
+
+
+def test_corrupt_data_chunk_is_an_error(saved, tmp_path):
+    directory = tmp_path / "ck"
+    shutil.copytree(saved[0], directory)
+    _flip_a_data_byte(directory)
+    check_corrupt_chunk_is_an_error(directory)
+
+
+def test_corrupt_chunk_check_catches_a_restore_without_integrity_checks(saved, tmp_path, monkeypatch):
+    """A restore that reads zeros where the storage fails and compares no checksum passes silently."""
+    directory = tmp_path / "ck"
+    shutil.copytree(saved[0], directory)
+    _flip_a_data_byte(directory)
+    real = manager.read_state
+
+    def zeros_on_error(step_dir, item, restore_args, this_process_only=False):
+        try:
+            return real(step_dir, item, restore_args, this_process_only)
+        except CheckpointError:
+            return jax.tree_util.tree_map(lambda s: jax.device_put(np.zeros(s.shape, s.dtype), s.sharding), item)
+
+    monkeypatch.setattr(manager, "read_state", zeros_on_error)
+    monkeypatch.setattr(manager, "verify", lambda meta, sums, where: None)
+    with pytest.raises(pytest.fail.Exception, match="DID NOT RAISE"):
+        check_corrupt_chunk_is_an_error(directory)
+
+
 # ------------------------------------------------------------------------ consolidation
 def test_consolidate_safetensors_equals_full_params(saved, tmp_path):
     directory, state = saved
@@ -236,6 +321,52 @@ def test_consolidate_cli_bf16_and_orbax(saved, tmp_path):
     np.testing.assert_array_equal(np.asarray(tree["dense"]["kernel"]), jax.device_get(state.full_params())["dense"]["kernel"])
 
 
+# ------------------------------------------------------------------ read without zerojax
+PLAIN_ORBAX = textwrap.dedent("""
+    import json, sys
+    import jax, numpy as np, orbax.checkpoint as ocp
+
+    step_dir, out = sys.argv[1], sys.argv[2]
+    # every leaf read as a numpy array: no sharding, so any device count reads it
+    ckptr = ocp.PyTreeCheckpointer()
+    tree_meta = ckptr.metadata(f"{step_dir}/state").item_metadata.tree
+    args = jax.tree_util.tree_map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree_meta)
+    tree = ckptr.restore(f"{step_dir}/state", args=ocp.args.PyTreeRestore(restore_args=args))
+    # a split dimension is zero-padded on disk: slice each leaf to its logical shape
+    meta = json.load(open(f"{step_dir}/zerojax/metadata"))
+    arrays = {}
+    for kind in ("params", "opt_state"):
+        for path, info in meta[kind].items():
+            x = tree[kind]
+            for key in path.split("/"):
+                x = x[key]
+            arrays[f"{kind}/{path}"] = np.asarray(x)[tuple(slice(0, n) for n in info["shape"])]
+    assert "zerojax" not in sys.modules and jax.device_count() == 1, (sorted(sys.modules), jax.device_count())
+    np.savez(out, **arrays)
+""")
+
+
+def test_plain_orbax_reads_a_checkpoint_on_one_device_without_zerojax(saved, tmp_path):
+    """The recipe of the checkpoint docstring, in a fresh process with one device and no zerojax."""
+    directory, state = saved  # written split over 8 devices, dimensions padded
+    script = tmp_path / "read.py"
+    script.write_text(PLAIN_ORBAX)
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"
+    out = tmp_path / "read.npz"
+    proc = subprocess.run([sys.executable, str(script), os.path.join(directory, "2"), str(out)], env=env,
+                          cwd=str(tmp_path), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = dict(np.load(out))
+    want = jax.device_get(state.full_params(jnp.float32))
+    for path, x in jax.tree_util.tree_flatten_with_path(want)[0]:
+        np.testing.assert_array_equal(got["params/" + zj.plan.path_str(path)], x)
+    opt_paths = [zj.plan.path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(state.opt_state)[0]]
+    for path, x in zip(opt_paths, logical_opt(state)):
+        np.testing.assert_array_equal(got["opt_state/" + path], x)
+    assert len(got) == len(jax.tree_util.tree_leaves(want)) + len(opt_paths)
+
+
 # ------------------------------------------------------------------------------ manager
 def test_best_and_max_to_keep_and_16bit_copy(tmp_path):
     state = make_state("fp32", n=2, precision="bf16", gather_16bit_weights_on_model_save=True)
@@ -253,7 +384,6 @@ def test_best_and_max_to_keep_and_16bit_copy(tmp_path):
 
 def test_values_not_matching_checksums_are_an_error(saved, tmp_path):
     """Whatever the storage layer returns, values that differ from what was saved never pass silently."""
-    import json
     directory = tmp_path / "ck"
     shutil.copytree(saved[0], directory)
     meta_path = directory / "2" / "zerojax" / "metadata"

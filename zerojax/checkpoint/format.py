@@ -31,8 +31,15 @@ On-disk layout (plain Orbax; ``orbax.checkpoint`` alone restores it)::
         data_state/metadata           JSON: the user's data_state dict ({} when none)
         model_16bit.safetensors       only with ZeroConfig(gather_16bit_weights_on_model_save=True)
 
-To read it without zerojax: ``ocp.PyTreeCheckpointer().restore(DIR/<step>/state)`` and slice each
-array to the ``shape`` recorded for it in ``zerojax/metadata``.
+To read it without zerojax, in any process (any device count), restore every leaf as a numpy
+array and slice each to the ``shape`` recorded for it in ``zerojax/metadata`` (a plain
+``PyTreeCheckpointer().restore(path)`` needs the saving run's device count)::
+
+    ckptr = ocp.PyTreeCheckpointer()
+    meta = ckptr.metadata(f"{DIR}/{step}/state").item_metadata.tree
+    args = jax.tree_util.tree_map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), meta)
+    tree = ckptr.restore(f"{DIR}/{step}/state", args=ocp.args.PyTreeRestore(restore_args=args))
+    shapes = json.load(open(f"{DIR}/{step}/zerojax/metadata"))   # ["params"][path]["shape"]
 
 Crash safety. A step that is not complete (a leftover temporary directory from a killed save,
 or a step directory without its metadata) is skipped with a warning naming it; restore takes

@@ -5,6 +5,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -262,6 +263,59 @@ def test_unreachable_coordinator_fails_with_a_message():
     assert f"process 1 of 2 cannot reach the coordinator at 127.0.0.1:{port}" in out[1], out[1]
     assert "ZEROJAX_INIT_TIMEOUT" in out[1]
     assert procs[0].returncode == 1 and "not all 2 processes joined within 3 s" in out[0], out[0]
+
+
+# ------------------------------------------------------------------ torchrun's variables, for real
+def _port_pair() -> int:
+    """A free port p whose successor is free too (torchrun's store at p, jax's coordinator at p + 1)."""
+    for _ in range(50):
+        port = launch.free_port()
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+    raise AssertionError("no two consecutive free ports")
+
+
+RUN_WORKER = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+
+
+def check_torchrun_start(prelude: str = "") -> None:
+    """Two processes given only torchrun's variables (what torchrun sets) join one jax run."""
+    port = _port_pair()
+    procs = []
+    for rank in (0, 1):
+        env = {k: v for k, v in child_env().items() if k != "XLA_FLAGS"}  # one CPU device per process
+        env.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), ZEROJAX_INIT_TIMEOUT="60")
+        procs.append(subprocess.Popen([sys.executable, "-c", prelude + RUN_WORKER, WORKER, "init"],
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT))
+    out = []
+    try:
+        out = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for rank, (p, text) in enumerate(zip(procs, out)):
+        assert p.returncode == 0, (rank, text)
+        # the device count is global: both processes' devices, seen from each
+        assert "PROCESSES 2 DEVICES 2 SOURCE torchrun" in text, (rank, text)
+
+
+def test_torchrun_environment_starts_two_real_processes():
+    check_torchrun_start()
+
+
+def test_torchrun_check_catches_a_start_up_that_ignores_torchrun():
+    ignore = ("import zerojax.runtime.distributed as d; real = d.process_env; "
+              "d.process_env = lambda environ=None: None if 'RANK' in (environ or __import__('os').environ) "
+              "else real(environ); ")
+    with pytest.raises(AssertionError, match="PROCESSES 1"):
+        check_torchrun_start(ignore)
 
 
 # --------------------------------------------------------------------------- environment

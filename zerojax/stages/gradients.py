@@ -73,8 +73,12 @@ def grads_fn(loss_fn: Callable, plan: ZeroPlan, has_aux: bool = False):
             return C.local_shape(lay, n)
         return lay.shape
 
+    denom = f32(n * gas)
+
     def body(params, batch, scale, rng):
-        mbs = jax.tree_util.tree_map(lambda x: x.reshape((gas, x.shape[0] // gas) + x.shape[1:]), batch)
+        # the mean over devices and micro-batches is folded into the loss's scale, so no pass
+        # over the gradients divides them afterwards
+        grad_scale = scale / denom
 
         def loss_of(p, mb, key):
             if stage3_loss is not None:
@@ -82,20 +86,27 @@ def grads_fn(loss_fn: Callable, plan: ZeroPlan, has_aux: bool = False):
             else:
                 out = loss_fn(p, mb, key) if takes_rng else loss_fn(p, mb)
             loss = out[0] if has_aux else out
-            return loss.astype(f32) * scale, loss.astype(f32)
+            return loss.astype(f32) * grad_scale, loss.astype(f32)
 
-        def micro(carry, xs):
-            acc, loss_sum = carry
-            mb, i = xs
+        def micro_grads(mb, i):
             key = jax.random.fold_in(jax.random.fold_in(rng, jax.lax.axis_index(axis)), i)
             g, loss = jax.grad(loss_of, has_aux=True)(params, mb, key)
             g = jax.tree_util.tree_map(to_device_memory, g)  # offloaded params' gradients
-            g = reduce_some(g, per_micro)
-            acc = jax.tree_util.tree_map(lambda a, x: a + x.astype(f32), acc, g)
-            return (acc, loss_sum + loss), None
+            return reduce_some(g, per_micro), loss
 
-        acc0 = plan.map(lambda lay: jnp.zeros(acc_shape(lay), f32))
-        (acc, loss_sum), _ = jax.lax.scan(micro, (acc0, jnp.zeros((), f32)), (mbs, jnp.arange(gas)))
+        if gas == 1:  # one micro-batch: no fp32 accumulator, no pass that adds into one
+            acc, loss_sum = micro_grads(batch, 0)
+        else:
+            mbs = jax.tree_util.tree_map(lambda x: x.reshape((gas, x.shape[0] // gas) + x.shape[1:]), batch)
+
+            def micro(carry, xs):
+                acc, loss_sum = carry
+                g, loss = micro_grads(*xs)
+                acc = jax.tree_util.tree_map(lambda a, x: a + x.astype(f32), acc, g)
+                return (acc, loss_sum + loss), None
+
+            acc0 = plan.map(lambda lay: jnp.zeros(acc_shape(lay), f32))
+            (acc, loss_sum), _ = jax.lax.scan(micro, (acc0, jnp.zeros((), f32)), (mbs, jnp.arange(gas)))
 
         def at_end_rs(lay):  # stage 1: one reduce-scatter (or all-reduce) per optimizer step
             return not lay.params_partitioned and not per_micro(lay) and plan.grad_partitioned(lay)
@@ -108,8 +119,6 @@ def grads_fn(loss_fn: Callable, plan: ZeroPlan, has_aux: bool = False):
         grads = reduce_some(grads, at_end_rs)
         grads = all_reduce_some(grads, at_end_ar)
         grads = jax.tree_util.tree_map(lambda g: g.astype(f32), grads)
-        denom = f32(n * gas)
-        grads = jax.tree_util.tree_map(lambda g: g / denom, grads)
         return grads, jax.lax.psum(loss_sum, axis) / denom
 
     param_specs = plan.map(lambda lay: lay.data_spec(lay.params_partitioned, axis))

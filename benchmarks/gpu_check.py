@@ -1,0 +1,194 @@
+"""One GPU check that prints, within about 8 minutes on one H200, every figure that needs a GPU:
+
+1. the Pallas fused AdamW's achieved bandwidth / the device's copy bandwidth (goal >= 0.85);
+2. ZenFlow's step time against plain optimizer offload (goal <= 0.5x);
+3. optimizer offload against the same step on the device;
+4. the stage ratios of benchmarks/vs_plain_jax.py (zerojax stages 0-3 against plain-jit DDP and
+   GSPMD FSDP) on one device-sized GPT shape;
+5. the compiled per-device peak of stage 3 against stage 0.
+
+    python benchmarks/gpu_check.py            # on a GPU
+    python benchmarks/gpu_check.py --smoke    # tiny sizes on the CPU (the test suite runs this)
+
+Every section prints its figures and the goal beside them; a section that fails prints why and
+the others still run. On a single GPU the stage ratios compare one-device programs: the
+collectives are no-ops there, so they show the cost of zerojax's step around the same math.
+"""
+import argparse
+import functools
+import os
+import statistics
+import sys
+import time
+import traceback
+
+SMOKE = "--smoke" in sys.argv
+if SMOKE:  # the CPU check simulates a small mesh; on a GPU the real devices are used
+    from _common import simulate_devices
+
+    simulate_devices(8)
+else:
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+import zerojax as zj  # noqa: E402
+from zerojax.kernels.fused_adam import fused_adamw  # noqa: E402
+from zerojax.models.gpt import GPTConfig, init_params, loss_fn  # noqa: E402
+
+
+def median_time(fn, reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def line(name, value, goal=None, better="lower"):
+    if goal is None:
+        print(f"  {name:<44} {value:8.3f}")
+        return
+    ok = value <= goal if better == "lower" else value >= goal
+    sign = "<=" if better == "lower" else ">="
+    print(f"  {name:<44} {value:8.3f}   goal {sign} {goal}   {'ok' if ok else 'MISSED'}")
+
+
+def fused_adam_bandwidth(n: int, reps: int):
+    print(f"\n1. fused AdamW, {n / 1e6:.0f}M params (bf16 gradients, bf16 params out)")
+    interpret = jax.devices()[0].platform == "cpu"
+    x = jnp.ones((n,), jnp.float32)
+    copy = jax.jit(jnp.copy)
+    copy_bw = 2 * 4 * n / median_time(lambda: copy(x).block_until_ready(), reps)
+    state = [jax.random.normal(jax.random.key(0), (n,), jnp.float32), jnp.zeros((n,), jnp.float32),
+             jnp.zeros((n,), jnp.float32)]
+    grads = (jax.random.normal(jax.random.key(1), (n,), jnp.float32) * 1e-2).astype(jnp.bfloat16)
+    count = [0]
+
+    def run():
+        count[0] += 1
+        out = fused_adamw(*state, grads, count[0], 1e-3, weight_decay=0.01, out_dtype=jnp.bfloat16,
+                          interpret=interpret)
+        state[:] = out[:3]
+        jax.block_until_ready(out)
+
+    moved = (4 * 3 + 2) + (4 * 3 + 2)  # read master, m, v, grad; write master, m, v, params
+    fused_bw = moved * n / median_time(run, reps)
+    line("copy bandwidth (GB/s)", copy_bw / 1e9)
+    line("fused AdamW bandwidth (GB/s)", fused_bw / 1e9)
+    line("fused / copy", fused_bw / copy_bw, 0.85, better="higher")
+
+
+class Run:
+    def __init__(self, cfg, config, batch, tx=None):
+        tx = tx or optax.inject_hyperparams(optax.adamw)(learning_rate=1e-4, weight_decay=0.01)
+        self.state = zj.shard_train_state(lambda k: init_params(cfg, k), tx, config=config)
+        self.step = zj.make_train_step(loss_fn(cfg), self.state)
+        self.batch = batch
+
+    def __call__(self):
+        self.state, m = self.step(self.state, self.batch)
+        jax.block_until_ready(m["loss"])
+
+    def close(self):
+        self.step.close()
+
+
+def interleaved(runs: dict, rounds: int, steps: int, warmup: int = 3) -> dict:
+    for r in runs.values():  # compiles every variant a path uses (ZenFlow: selection, host update)
+        for _ in range(warmup):
+            r()
+    times = {k: [] for k in runs}
+    for _ in range(rounds):
+        for k, r in runs.items():
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                r()
+            times[k].append((time.perf_counter() - t0) / steps)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def offload_and_zenflow(cfg, batch, rounds, steps):
+    print(f"\n2-3. offload and ZenFlow, GPT {cfg.n_params / 1e6:.0f}M params, bf16, stage 2")
+    base = dict(stage=2, precision="bf16")
+    runs = {"device": Run(cfg, zj.ZeroConfig(**base), batch),
+            "offload": Run(cfg, zj.ZeroConfig(**base, offload_optimizer="cpu"), batch),
+            "zenflow": Run(cfg, zj.ZeroConfig(**base, offload_optimizer="cpu",
+                                              zenflow={"topk_ratio": 0.1, "update_interval": 4}), batch)}
+    try:
+        ms = interleaved(runs, rounds, steps)
+    finally:
+        for r in runs.values():
+            r.close()
+    for k, v in ms.items():
+        line(f"{k} ms/step", v * 1e3)
+    line("ZenFlow / plain offload", ms["zenflow"] / ms["offload"], 0.5)
+    line("offload / on device", ms["offload"] / ms["device"])
+
+
+def stage_ratios(shape_args):
+    print("\n4. stages against plain jit (benchmarks/vs_plain_jax.py)")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import vs_plain_jax
+
+    for name in shape_args.shapes:
+        vs_plain_jax.gpt_case(name, shape_args)
+    vs_plain_jax.optimizer_bound_case(shape_args)
+
+
+def stage3_peak(cfg, batch):
+    print(f"\n5. compiled per-device peak, GPT {cfg.n_params / 1e6:.0f}M params, fp32")
+    peaks = {}
+    for stage in (0, 3):
+        config = zj.ZeroConfig(stage=stage, param_persistence_threshold=0)
+        state = zj.abstract_train_state(lambda k: init_params(cfg, k), optax.adamw(1e-4), config=config)
+        step = zj.make_train_step(loss_fn(cfg), state)
+        peaks[stage] = zj.peak_memory(step, state, batch).peak
+    line("stage 0 peak (MiB)", peaks[0] / 2**20)
+    line("stage 3 peak (MiB)", peaks[3] / 2**20)
+    line("stage 3 / stage 0", peaks[3] / peaks[0], 0.20)
+
+
+def section(fn, *args):
+    try:
+        fn(*args)
+    except Exception:  # noqa: BLE001 - one failed section must not hide the others' figures
+        print("  FAILED:")
+        traceback.print_exc(file=sys.stdout)
+        return False
+    return True
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--smoke", action="store_true")
+    args = ap.parse_args()
+    dev = jax.devices()[0]
+    print(f"jax {jax.__version__} on {len(jax.devices())} x {dev.device_kind} ({dev.platform})")
+    t0 = time.perf_counter()
+    if args.smoke:
+        n, reps, rounds, steps = 2**14, 2, 1, 1
+        gpt = GPTConfig(vocab=517, n_layer=1, d_model=32, n_head=2, seq_len=8)
+        shapes = argparse.Namespace(shapes=["smoke"], seq=8, batch=16, rounds=1, steps=1, opt_params=4096 * 8)
+        batch_rows = 16
+    else:
+        n, reps, rounds, steps = 256 * 2**20, 10, 3, 3
+        gpt = GPTConfig(vocab=50257, n_layer=12, d_model=768, n_head=12, seq_len=512)
+        shapes = argparse.Namespace(shapes=["gpt2-small"], seq=512, batch=16 * len(jax.devices()), rounds=3,
+                                    steps=3, opt_params=50 * 2**20)
+        batch_rows = 8 * len(jax.devices())
+    rng = np.random.default_rng(0)
+    batch = {"tokens": rng.integers(0, gpt.vocab, (batch_rows, gpt.seq_len + 1), dtype=np.int32)}
+    ok = [section(fused_adam_bandwidth, n, reps), section(offload_and_zenflow, gpt, batch, rounds, steps),
+          section(stage_ratios, shapes), section(stage3_peak, gpt, batch)]
+    print(f"\n{sum(ok)} of {len(ok)} sections ran in {time.perf_counter() - t0:.0f} s")
+    return 0 if all(ok) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

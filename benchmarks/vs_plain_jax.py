@@ -1,0 +1,200 @@
+"""zerojax against the JAX a user would write instead, side by side in one run.
+
+The alternatives, written the way a JAX user would:
+
+* plain DDP: ``jax.jit`` of value_and_grad + the optax update, params and optimizer state
+  replicated, the batch split over the devices, params and state donated (outputs in the
+  same order as the inputs);
+* plain FSDP (GSPMD): the same function with every leaf split along its largest dimension
+  that the device count divides (replicated when none does).
+
+Same model, batch, optimizer (AdamW, fp32) and devices for every contender. Each step is
+compiled first, then the contenders are timed in interleaved rounds (machine noise hits them
+alike) and the median ms per step is compared. Goals: stage 0 <= 1.02x DDP, stages 1-2 <=
+0.90x DDP, stage 3 <= 1.0x FSDP and <= 1.10x stage 0; one device, optimizer-bound 50M
+params: stage 0 <= 1.05x jit(optax).
+
+    python benchmarks/vs_plain_jax.py                    # the two small GPT shapes + optimizer-bound
+    python benchmarks/vs_plain_jax.py --shapes gpt2-small
+    python benchmarks/vs_plain_jax.py --smoke            # tiny shapes, for the test suite
+"""
+import argparse
+import functools
+import statistics
+import time
+
+from _common import simulate_devices
+
+simulate_devices(8)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import zerojax as zj  # noqa: E402
+from zerojax.models.gpt import GPTConfig, init_params, loss_fn  # noqa: E402
+
+SHAPES = {
+    "vocab50257-d128": dict(vocab=50257, n_layer=4, d_model=128, n_head=4),
+    "vocab8192-d256": dict(vocab=8192, n_layer=4, d_model=256, n_head=4),
+    "gpt2-small": dict(vocab=50257, n_layer=12, d_model=768, n_head=12),
+    "smoke": dict(vocab=517, n_layer=2, d_model=32, n_head=2),
+}
+GOALS = {"s0/ddp": 1.02, "s1/ddp": 0.90, "s2/ddp": 0.90, "s3/fsdp": 1.0, "s3/s0": 1.10}
+
+
+def tx():
+    return optax.adamw(1e-4, weight_decay=0.01)
+
+
+def plain_step(loss, params_sh, opt_sh, batch_sh):
+    """The user's jitted step: params and optimizer state donated, outputs in input order."""
+    opt = tx()
+
+    @functools.partial(jax.jit, in_shardings=(params_sh, opt_sh, batch_sh), out_shardings=(params_sh, opt_sh, None),
+                       donate_argnums=(0, 1))
+    def step(params, opt_state, batch):
+        value, grads = jax.value_and_grad(loss)(params, batch)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    return step
+
+
+def fsdp_spec(x, n: int) -> P:
+    """Split along the largest dimension that ``n`` divides; replicate when none does."""
+    dims = [i for i in np.argsort(x.shape)[::-1] if x.shape[i] % n == 0 and x.shape[i] >= n]
+    if not dims:
+        return P()
+    spec = [None] * x.ndim
+    spec[dims[0]] = "data"
+    return P(*spec)
+
+
+class Plain:
+    def __init__(self, mode, mesh, init, loss):
+        n = mesh.shape["data"]
+        shapes = jax.eval_shape(init)
+        opt_shapes = jax.eval_shape(tx().init, shapes)
+        if mode == "ddp":
+            spec = lambda x: P()  # noqa: E731
+        else:
+            spec = lambda x: fsdp_spec(x, n) if hasattr(x, "shape") and x.ndim else P()  # noqa: E731
+        params_sh = jax.tree_util.tree_map(lambda x: NamedSharding(mesh, spec(x)), shapes)
+        opt_sh = jax.tree_util.tree_map(lambda x: NamedSharding(mesh, spec(x)), opt_shapes)
+        self.batch_sh = NamedSharding(mesh, P("data"))
+        self.params = jax.jit(init, out_shardings=params_sh)()
+        self.opt_state = jax.jit(tx().init, out_shardings=opt_sh)(self.params)
+        self.fn = plain_step(loss, params_sh, opt_sh, self.batch_sh)
+
+    def run(self, batch):
+        self.params, self.opt_state, value = self.fn(self.params, self.opt_state, batch)
+        return value
+
+    def ready(self):
+        jax.block_until_ready((self.params, self.opt_state))
+
+
+class Zero:
+    def __init__(self, stage, mesh, init, loss):
+        config = zj.ZeroConfig(stage=stage, param_persistence_threshold=0)
+        self.state = zj.shard_train_state(lambda _: init(), tx(), mesh=mesh, config=config)
+        self.step = zj.make_train_step(loss, self.state)
+
+    def run(self, batch):
+        self.state, m = self.step(self.state, batch)
+        return m["loss"]
+
+    def ready(self):
+        jax.block_until_ready(self.state)
+
+
+def time_all(contenders, batch, rounds, steps):
+    for c in contenders.values():  # compile and warm up
+        c.run(batch)
+        c.ready()
+    times = {k: [] for k in contenders}
+    for _ in range(rounds):
+        for k, c in contenders.items():
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                c.run(batch)
+            c.ready()
+            times[k].append((time.perf_counter() - t0) / steps)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def report(title, ms, ratios):
+    print(f"\n{title}")
+    print("  " + "  ".join(f"{k} {v * 1e3:.1f} ms" for k, v in ms.items()))
+    for name, (value, goal) in ratios.items():
+        verdict = "ok" if value <= goal else "MISSED"
+        print(f"  {name:>10} {value:6.3f}x   goal <= {goal:.2f}x   {verdict}")
+
+
+def gpt_case(name, args):
+    cfg = GPTConfig(seq_len=args.seq, **SHAPES[name])
+    mesh = zj.make_mesh()
+    n = mesh.shape["data"]
+    rng = np.random.default_rng(0)
+    batch = {"tokens": rng.integers(0, cfg.vocab, (args.batch, cfg.seq_len + 1), dtype=np.int32)}
+    init = functools.partial(init_params, cfg, jax.random.PRNGKey(0))
+    loss = loss_fn(cfg)
+    contenders = {"ddp": Plain("ddp", mesh, init, loss), "fsdp": Plain("fsdp", mesh, init, loss)}
+    for stage in (0, 1, 2, 3):
+        contenders[f"s{stage}"] = Zero(stage, mesh, init, loss)
+    ms = time_all(contenders, batch, args.rounds, args.steps)
+    ratios = {"s0/ddp": ms["s0"] / ms["ddp"], "s1/ddp": ms["s1"] / ms["ddp"], "s2/ddp": ms["s2"] / ms["ddp"],
+              "s3/fsdp": ms["s3"] / ms["fsdp"], "s3/s0": ms["s3"] / ms["s0"]}
+    report(f"GPT {name}: {cfg.n_params / 1e6:.1f}M params, {n} devices, batch {args.batch} x {cfg.seq_len}, "
+           "AdamW fp32", ms, {k: (v, GOALS[k]) for k, v in ratios.items()})
+    return ratios
+
+
+def optimizer_bound_case(args):
+    """One device, 50M fp32 params, a loss that costs next to nothing: the update dominates."""
+    n_params = args.opt_params
+    mesh = zj.make_mesh(1)
+    widths = [4096] * (n_params // 4096 // 4096) + [n_params % (4096 * 4096) // 4096 or 1]
+    key = jax.random.PRNGKey(0)
+
+    def init():
+        return {f"w{i}": jax.random.normal(jax.random.fold_in(key, i), (rows, 4096)) * 0.02
+                for i, rows in enumerate(widths)}
+
+    def loss(params, batch):  # batch["x"]: one row per device
+        return sum(jnp.vdot(p[0], batch["x"][0]) for p in params.values()) / len(params)
+
+    batch = {"x": np.ones((1, 4096), np.float32)}
+    contenders = {"jit": Plain("ddp", mesh, init, loss), "s0": Zero(0, mesh, init, loss)}
+    ms = time_all(contenders, batch, args.rounds, args.steps)
+    total = sum(r * 4096 for r in widths)
+    report(f"optimizer-bound: one device, {total / 1e6:.1f}M fp32 params, AdamW", ms,
+           {"s0/jit": (ms["s0"] / ms["jit"], 1.05)})
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", nargs="*", default=["vocab50257-d128", "vocab8192-d256"],
+                    choices=[k for k in SHAPES if k != "smoke"])
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--opt-params", type=int, default=50 * 2**20)
+    ap.add_argument("--no-optimizer-bound", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes, one round (checks the script runs)")
+    args = ap.parse_args()
+    if args.smoke:
+        args.shapes, args.seq, args.rounds, args.steps, args.opt_params = ["smoke"], 8, 1, 1, 4096 * 8
+    for name in args.shapes:
+        gpt_case(name, args)
+    if not args.no_optimizer_bound:
+        optimizer_bound_case(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,25 @@
+"""The benchmark scripts that need a GPU or a long run keep working: their --smoke modes run here
+on tiny shapes (the figures mean nothing on the CPU; the scripts must not rot)."""
+import os
+import pathlib
+import subprocess
+import sys
+
+BENCH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def run(script, *args, timeout=600):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"
+    out = subprocess.run([sys.executable, str(BENCH / script), *args], cwd=BENCH, env=env, capture_output=True,
+                         text=True, timeout=timeout)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out.stdout
+
+
+def test_gpu_check_smoke_runs_every_section():
+    out = run("gpu_check.py", "--smoke")
+    assert "4 of 4 sections ran" in out
+    for figure in ("fused / copy", "ZenFlow / plain offload", "offload / on device", "s0/ddp", "s1/ddp", "s3/fsdp",
+                   "s3/s0", "s0/jit", "stage 3 / stage 0"):
+        assert figure in out, f"{figure!r} missing from:\n{out}"

@@ -7,6 +7,7 @@ import pytest
 
 import zerojax as zj
 from zerojax.tools.autotune import OFFLOADS, AutotuneError, parse_bytes
+from zerojax.tools.planning import StepPlan
 
 D, H, OUT, T = 64, 512, 16, 64
 BASE = zj.ZeroConfig(param_persistence_threshold=0)  # stage 3 partitions even these small leaves
@@ -32,13 +33,31 @@ def batch_fn(micro_batch):
 KW = dict(devices=8, config=BASE, tx=TX, stages=(0, 3), micro_batches=(1, 8))
 
 
+PSI = D * H + H * H + H * OUT  # every dim divides 8: nothing is padded
+
+
+def host_bytes_formula(row) -> int:
+    """Offloaded state per device from the ZeRO formula (fp32 AdamW: the params are the master):
+    the two moments 8 PSI / N and Adam's step count with the optimizer offloaded, the params'
+    4 PSI / N too when they are offloaded as well (stage 3)."""
+    host = {"none": 0, "optimizer": 8 * PSI // 8 + 4, "optimizer+param": 8 * PSI // 8 + 4 + 4 * PSI // 8}
+    return host[row.offload]
+
+
 def device_peak_reference(row):
-    """The compiled peak of the real step on real shards, less the state memory_report finds on the host."""
+    """The compiled peak of the real step on real shards, less the offloaded state (which the CPU
+    compiler counts in the same address space), from the formula."""
     state = zj.shard_train_state(init_fn, TX, mesh=zj.make_mesh(8), config=row.config, rng=jax.random.PRNGKey(0))
     step = zj.make_train_step(loss_fn, state)
     batch = {"x": jax.ShapeDtypeStruct((8 * row.gradient_accumulation_steps * row.micro_batch, T, D), jnp.float32)}
-    host = max((zj.memory_report(state).max_bytes(k) for k in ("pinned_host", "unpinned_host")), default=0)
+    host = host_bytes_formula(row)
     return zj.peak_memory(step, state, batch).peak - host, host
+
+
+def check_row_peak(row):
+    peak, host = device_peak_reference(row)
+    assert (row.peak_bytes, row.host_bytes) == (peak, host), row
+    assert (row.offload == "none") == (host == 0)
 
 
 def expected_best(table, budget):
@@ -62,15 +81,20 @@ def test_table_covers_every_candidate_and_fits_follow_compiled_peaks(full):
     assert full.compilations == len(want) and all(r.fits for r in full.table)
     # the peaks are the real step's, on real shards, offloaded state excluded
     for key in ((0, "none", 8), (3, "optimizer", 8), (3, "optimizer+param", 1)):
-        row = next(r for r in full.table if (r.stage, r.offload, r.micro_batch) == key)
-        peak, host = device_peak_reference(row)
-        assert (row.peak_bytes, row.host_bytes) == (peak, host), row
-        assert (row.offload == "none") == (host == 0)
+        check_row_peak(next(r for r in full.table if (r.stage, r.offload, r.micro_batch) == key))
     # the peak grows with the micro-batch, and ZeRO-3 needs less than ZeRO-0
     peaks = {(r.stage, r.offload, r.micro_batch): r.peak_bytes for r in full.table}
     assert peaks[0, "none", 8] > peaks[0, "none", 1] > peaks[3, "none", 1]
     text = str(full)
     assert "stage" in text and "optimizer+param" in text and text.count("\n") == len(want) + 2
+
+
+def test_peak_check_catches_a_peak_that_keeps_the_offloaded_state(monkeypatch):
+    monkeypatch.setattr(StepPlan, "device_peak_bytes", property(lambda self: self.peak_bytes))
+    result = zj.autotune(init_fn, loss_fn, batch_fn, budget="1GiB", exhaustive=True, devices=8, config=BASE, tx=TX,
+                         stages=(3,), offloads=("optimizer",), micro_batches=(1,))
+    with pytest.raises(AssertionError):
+        check_row_peak(result.table[0])
 
 
 def test_recommendation_fits_and_moves_when_the_budget_drops_below_it(full):

@@ -109,11 +109,19 @@ def test_lr_range_test():
     np.testing.assert_allclose(_at_lbi(stair, [-1, 8, 9, 18, 19]), [1e-3, 1e-3, 2e-3, 2e-3, 3e-3], rtol=1e-6)
 
 
+def check_resumed_after_lbi_4(fn):
+    # resumed after lbi 4: the next steps run at lbi 4, 5, ... (REFERENCE.md section 5's vector)
+    np.testing.assert_allclose([float(fn(count)) for count in range(4)], LOG_WARMUP[4:8], rtol=1e-5)
+
+
 def test_last_batch_iteration_resumes():
-    fresh = _sched("WarmupLR", warmup_min_lr=0.1, warmup_max_lr=0.2, warmup_num_steps=10)
-    resumed = _sched("WarmupLR", warmup_min_lr=0.1, warmup_max_lr=0.2, warmup_num_steps=10, last_batch_iteration=4)
-    # resumed after lbi 4: the next step runs at lbi 4, as the 6th step (count 5) of a fresh run
-    assert float(resumed(0)) == pytest.approx(float(fresh(5)))
+    check_resumed_after_lbi_4(_sched("WarmupLR", warmup_min_lr=0.1, warmup_max_lr=0.2, warmup_num_steps=10,
+                                     last_batch_iteration=4))
+
+
+def test_resume_check_catches_a_schedule_that_ignores_last_batch_iteration():
+    with pytest.raises(AssertionError):
+        check_resumed_after_lbi_4(_sched("WarmupLR", warmup_min_lr=0.1, warmup_max_lr=0.2, warmup_num_steps=10))
 
 
 def test_traced_and_vmapped_counts():

@@ -15,9 +15,7 @@ the others still run. On a single GPU the stage ratios compare one-device progra
 collectives are no-ops there, so they show the cost of zerojax's step around the same math.
 """
 import argparse
-import functools
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -36,18 +34,9 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import zerojax as zj  # noqa: E402
-from zerojax.kernels.fused_adam import fused_adamw  # noqa: E402
+import vs_plain_jax  # noqa: E402
+from fused_adam import copy_bandwidth, time_fused  # noqa: E402
 from zerojax.models.gpt import GPTConfig, init_params, loss_fn  # noqa: E402
-
-
-def median_time(fn, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
 
 
 def line(name, value, goal=None, better="lower"):
@@ -61,70 +50,42 @@ def line(name, value, goal=None, better="lower"):
 
 def fused_adam_bandwidth(n: int, reps: int):
     print(f"\n1. fused AdamW, {n / 1e6:.0f}M params (bf16 gradients, bf16 params out)")
-    interpret = jax.devices()[0].platform == "cpu"
-    x = jnp.ones((n,), jnp.float32)
-    copy = jax.jit(jnp.copy)
-    copy_bw = 2 * 4 * n / median_time(lambda: copy(x).block_until_ready(), reps)
-    state = [jax.random.normal(jax.random.key(0), (n,), jnp.float32), jnp.zeros((n,), jnp.float32),
-             jnp.zeros((n,), jnp.float32)]
-    grads = (jax.random.normal(jax.random.key(1), (n,), jnp.float32) * 1e-2).astype(jnp.bfloat16)
-    count = [0]
-
-    def run():
-        count[0] += 1
-        out = fused_adamw(*state, grads, count[0], 1e-3, weight_decay=0.01, out_dtype=jnp.bfloat16,
-                          interpret=interpret)
-        state[:] = out[:3]
-        jax.block_until_ready(out)
-
+    copy_bw = copy_bandwidth(n, reps)
     moved = (4 * 3 + 2) + (4 * 3 + 2)  # read master, m, v, grad; write master, m, v, params
-    fused_bw = moved * n / median_time(run, reps)
+    fused_bw = moved * n / time_fused(n, jnp.bfloat16, reps)
     line("copy bandwidth (GB/s)", copy_bw / 1e9)
     line("fused AdamW bandwidth (GB/s)", fused_bw / 1e9)
     line("fused / copy", fused_bw / copy_bw, 0.85, better="higher")
 
 
 class Run:
-    def __init__(self, cfg, config, batch, tx=None):
+    """One zerojax step on a fixed batch, in the shape vs_plain_jax.time_all times."""
+
+    def __init__(self, cfg, config, tx=None):
         tx = tx or optax.inject_hyperparams(optax.adamw)(learning_rate=1e-4, weight_decay=0.01)
         self.state = zj.shard_train_state(lambda k: init_params(cfg, k), tx, config=config)
         self.step = zj.make_train_step(loss_fn(cfg), self.state)
-        self.batch = batch
 
-    def __call__(self):
-        self.state, m = self.step(self.state, self.batch)
-        jax.block_until_ready(m["loss"])
+    def run(self, batch):
+        self.state, m = self.step(self.state, batch)
+        return m["loss"]
 
-    def close(self):
-        self.step.close()
-
-
-def interleaved(runs: dict, rounds: int, steps: int, warmup: int = 3) -> dict:
-    for r in runs.values():  # compiles every variant a path uses (ZenFlow: selection, host update)
-        for _ in range(warmup):
-            r()
-    times = {k: [] for k in runs}
-    for _ in range(rounds):
-        for k, r in runs.items():
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                r()
-            times[k].append((time.perf_counter() - t0) / steps)
-    return {k: statistics.median(v) for k, v in times.items()}
+    def ready(self):
+        jax.block_until_ready(self.state)
 
 
 def offload_and_zenflow(cfg, batch, rounds, steps):
     print(f"\n2-3. offload and ZenFlow, GPT {cfg.n_params / 1e6:.0f}M params, bf16, stage 2")
     base = dict(stage=2, precision="bf16")
-    runs = {"device": Run(cfg, zj.ZeroConfig(**base), batch),
-            "offload": Run(cfg, zj.ZeroConfig(**base, offload_optimizer="cpu"), batch),
+    runs = {"device": Run(cfg, zj.ZeroConfig(**base)),
+            "offload": Run(cfg, zj.ZeroConfig(**base, offload_optimizer="cpu")),
             "zenflow": Run(cfg, zj.ZeroConfig(**base, offload_optimizer="cpu",
-                                              zenflow={"topk_ratio": 0.1, "update_interval": 4}), batch)}
-    try:
-        ms = interleaved(runs, rounds, steps)
+                                              zenflow={"topk_ratio": 0.1, "update_interval": 4}))}
+    try:  # three warm-up steps compile every variant ZenFlow runs (selection, host update)
+        ms = vs_plain_jax.time_all(runs, batch, rounds, steps, warmup=3)
     finally:
         for r in runs.values():
-            r.close()
+            r.step.close()
     for k, v in ms.items():
         line(f"{k} ms/step", v * 1e3)
     line("ZenFlow / plain offload", ms["zenflow"] / ms["offload"], 0.5)
@@ -133,9 +94,6 @@ def offload_and_zenflow(cfg, batch, rounds, steps):
 
 def stage_ratios(shape_args):
     print("\n4. stages against plain jit (benchmarks/vs_plain_jax.py)")
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import vs_plain_jax
-
     for name in shape_args.shapes:
         vs_plain_jax.gpt_case(name, shape_args)
     vs_plain_jax.optimizer_bound_case(shape_args)

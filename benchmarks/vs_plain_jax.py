@@ -112,9 +112,10 @@ class Zero:
         jax.block_until_ready(self.state)
 
 
-def time_all(contenders, batch, rounds, steps):
+def time_all(contenders, batch, rounds, steps, warmup=1):
     for c in contenders.values():  # compile and warm up
-        c.run(batch)
+        for _ in range(warmup):
+            c.run(batch)
         c.ready()
     times = {k: [] for k in contenders}
     for _ in range(rounds):

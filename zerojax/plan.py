@@ -154,6 +154,27 @@ def _check_ratio(config: ZeroConfig) -> None:
             f'state kept in host memory. Fix: use offload_ratio 1.0, or offload_optimizer="cpu"')
 
 
+def _check_nodes(config: ZeroConfig, n: int, data_axis: str) -> None:
+    """ZeRO++ sees the data axis as nodes of consecutive devices: their size must divide it."""
+    hpz, per_node = config.hpz_partition_size, config.devices_per_node
+    divisors = [d for d in range(1, n + 1) if n % d == 0]
+    if config.stage == 3 and hpz > 1 and n % hpz:
+        raise ConfigError(
+            f"ZeroConfig.hpz_partition_size={hpz} (zero_optimization.zero_hpz_partition_size) does not divide the "
+            f"{data_axis!r} axis size {n}: hpZ keeps each param's secondary partition over the {hpz} devices of a "
+            f"node, the axis seen as nodes x devices. Fix: use the devices per node, a divisor of {n} "
+            f"({', '.join(map(str, divisors))}), or 1 to turn hpZ off")
+    if per_node is not None and n % per_node:
+        raise ConfigError(
+            f"ZeroConfig.devices_per_node={per_node} does not divide the {data_axis!r} axis size {n}. "
+            f"Fix: use a divisor of {n} ({', '.join(map(str, divisors))}), or None")
+    if config.stage == 3 and hpz > 1 and per_node is not None and per_node != hpz:
+        raise ConfigError(
+            f"ZeroConfig.devices_per_node={per_node} disagrees with ZeroConfig.hpz_partition_size={hpz} "
+            "(zero_optimization.zero_hpz_partition_size): hpZ's partition size is the devices per node. "
+            "Fix: leave devices_per_node None, or make them equal")
+
+
 def host_share(sizes, ratio: float) -> list:
     """Which items go to the host so that their share of ``sum(sizes)`` comes close to ``ratio``
     with whole items: a greedy pass, largest first (ties in the given order), that takes an
@@ -191,6 +212,7 @@ class ZeroPlan:
             )
         n = mesh.shape[data_axis]
         _check_ratio(config)
+        _check_nodes(config, n, data_axis)
         if config.stage == 3 and not config.reduce_scatter:
             warnings.warn("zerojax accepts but ignores reduce_scatter=False (zero_optimization.reduce_scatter) "
                           "at stage 3, as DeepSpeed does: stage-3 gradients are always reduce-scattered. "

@@ -68,7 +68,7 @@ def test_every_key_gets_a_verdict_and_the_reason(tmp_path, capsys):
         "zero_optimization.contiguous_gradients": ("honoured", "DeepSpeed's default"),
         "zero_optimization.stage3_max_live_parameters": ("warned-ignored", "only applies at ZeRO stage 3"),
         "zero_optimization.offload_param.device": ("warned-ignored", "needs ZeRO stage 3"),
-        "zero_optimization.zero_quantized_weights": ("warned-ignored", "ZeRO++"),
+        "zero_optimization.zero_quantized_weights": ("warned-ignored", "only applies at ZeRO stage 3"),
         "zero_optimization.stagee": ("refused", 'Did you mean "stage"?'),
         "optimizer.type": ("refused", "not available in zerojax"),
     }

@@ -6,6 +6,7 @@ import warnings
 import pytest
 
 from zerojax import ConfigError, TrainingArgs, ZeroConfig
+from zerojax.config import schema
 from zerojax.errors import IgnoredKeysWarning
 
 B = {"train_batch_size": 8}
@@ -146,12 +147,20 @@ def test_default_valued_stage3_keys_below_stage_3_are_silent():
                                  "offload_param": {"device": "none"}}})
 
 
-@pytest.mark.parametrize("key,value", [("zero_quantized_weights", True), ("zero_quantized_gradients", True),
-                                       ("zero_quantized_nontrainable_weights", True), ("zero_hpz_partition_size", 8)])
-def test_zeropp_keys_are_warned_unless_default(key, value):
-    _, text = ignored_text({"zero_optimization": {"stage": 3, key: value}})
-    assert f"zero_optimization.{key}={value!r}: ZeRO++" in text and "not honoured by zerojax yet" in text
-    quiet({"zero_optimization": {"stage": 3, key: {"zero_hpz_partition_size": 1}.get(key, False)}})
+@pytest.mark.parametrize("key,value,field", [("zero_quantized_weights", True, "quantized_weights"),
+                                             ("zero_quantized_gradients", True, "quantized_gradients"),
+                                             ("zero_hpz_partition_size", 8, "hpz_partition_size")])
+def test_zeropp_keys_are_honoured_at_stage_3_and_warned_below(key, value, field):
+    assert getattr(quiet({"zero_optimization": {"stage": 3, key: value}}), field) == value
+    config, text = ignored_text({"zero_optimization": {"stage": 2, key: value}})
+    assert f"zero_optimization.{key}={value!r} (ZeroConfig.{field}) only applies at ZeRO stage 3" in text
+    assert getattr(config, field) == schema.FIELDS[field].default
+
+
+def test_quantized_nontrainable_weights_is_warned_as_not_honoured():
+    _, text = ignored_text({"zero_optimization": {"stage": 3, "zero_quantized_nontrainable_weights": True}})
+    assert "zero_optimization.zero_quantized_nontrainable_weights=True: zerojax has no frozen leaves" in text
+    quiet({"zero_optimization": {"stage": 3, "zero_quantized_nontrainable_weights": False}})
 
 
 def test_contiguous_gradients_false_is_warned_and_true_is_silent():

@@ -15,7 +15,7 @@ import dataclasses
 import sys
 from typing import Any, Callable, Optional
 
-from zerojax.config.schema import FIELDS, Invalid, boolean, choice, integer, number, optional, string
+from zerojax.config.schema import FIELDS, NONTRAINABLE, Invalid, boolean, choice, integer, number, optional, string
 
 __all__ = ["BF16", "DEPRECATED_ZERO", "FP16", "Key", "OFFLOAD_OPTIMIZER", "OFFLOAD_PARAM", "OPTIMIZERS",
            "REFUSED_OPTIMIZERS", "TOP", "ZENFLOW", "ZERO", "is_off"]
@@ -90,8 +90,6 @@ def _both(key, default, check, why, **kw) -> dict:
 
 _XLA_SCHEDULES = "XLA schedules the collectives of the compiled step"
 _TORCH_HOOKS = "a PyTorch module-hook detail; zerojax's stage 3 gathers inside the compiled step"
-_ZEROPP = ("ZeRO++ (quantized weights / gradients, hierarchical partitioning) is not honoured by zerojax yet: "
-           "communication runs at full width")
 
 # --------------------------------------------------------------------------- zero_optimization
 ZERO: dict = {
@@ -118,10 +116,7 @@ ZERO: dict = {
     **_both("module_granularity_threshold", 0, integer(), _TORCH_HOOKS, stage3=True),
     **_both("use_all_reduce_for_fetch_params", False, boolean, _TORCH_HOOKS, stage3=True),
     **_both("allgather_sequential", False, boolean, _TORCH_HOOKS, stage3=True),
-    "zero_hpz_partition_size": _ignored(1, integer(0), _ZEROPP),
-    "zero_quantized_weights": _ignored(False, boolean, _ZEROPP),
-    "zero_quantized_nontrainable_weights": _ignored(False, boolean, _ZEROPP),
-    "zero_quantized_gradients": _ignored(False, boolean, _ZEROPP),
+    "zero_quantized_nontrainable_weights": _ignored(False, boolean, NONTRAINABLE, stage3=True),
     **{k: Key(removed=True, why=f"MiCS sharding {REMOVED}. Fix: remove it (ZeRO stage 3 shards over the "
                                 "whole data axis)") for k in ("mics_shard_size", "mics_hierarchical_params_gather")},
     "zeropp_loco_param": Key(removed=True, why=f"LoCo-ZeRO++ {REMOVED}. Fix: remove it"),

@@ -19,12 +19,14 @@ import dataclasses
 import difflib
 import math
 import numbers
+import warnings
 from typing import Any, Callable, Mapping, Optional
 
-from zerojax.errors import ConfigError
+from zerojax.errors import ConfigError, IgnoredKeysWarning
 from zerojax.precision import PRECISIONS, LossScaler
 
-__all__ = ["FIELDS", "RULES", "FieldSpec", "Invalid", "Rule", "invalid_message", "subject", "validate"]
+__all__ = ["FIELDS", "NONTRAINABLE", "RULES", "ZEROPP", "FieldSpec", "Invalid", "Rule", "invalid_message", "subject",
+           "validate"]
 
 
 # --------------------------------------------------------------------------- value checks
@@ -250,6 +252,24 @@ FIELDS: dict[str, FieldSpec] = {f.name: f for f in (
     FieldSpec("scheduler", None, optional(mapping), 'use {"type": "WarmupLR", "params": {...}}', ("scheduler",)),
     FieldSpec("zenflow", None, optional(mapping), 'use {"topk_ratio": 0.1, "update_interval": 4}',
               (f"{_Z}.zenflow",)),
+    # ZeRO++ (stage 3)
+    FieldSpec("quantized_weights", False, boolean, "use true or false", (f"{_Z}.zero_quantized_weights",),
+              stage3_only=True, doc="qwZ: stage-3 weight gathers travel in 8 bits, block-wise scaled"),
+    FieldSpec("hpz_partition_size", 1, integer(0), "use the devices per node (1 or 0: off); it must divide the "
+              "data-axis size", (f"{_Z}.zero_hpz_partition_size",), stage3_only=True,
+              doc="hpZ: a secondary partition over the node's devices serves the backward gathers"),
+    FieldSpec("quantized_gradients", False, boolean, "use true or false", (f"{_Z}.zero_quantized_gradients",),
+              stage3_only=True, doc="qgZ: gradients reduced by quantized all-to-all, inside then across nodes"),
+    FieldSpec("quantized_nontrainable_weights", False, boolean, "use false: zerojax trains every leaf",
+              doc="accepted and warned (zero_optimization.zero_quantized_nontrainable_weights is warned by the "
+                  "reader): zerojax has no frozen leaves to store quantized"),
+    FieldSpec("quantization_block_size", 256, integer(1), "use a positive number of values per block, e.g. 256",
+              doc="no DeepSpeed key: values per quantization block (one float32 maximum each) for qwZ and qgZ"),
+    FieldSpec("quantized_gradients_bits", 4, choice(4, 8), "use 4 (DeepSpeed's) or 8",
+              doc="no DeepSpeed key: the width of qgZ's exchanges (DeepSpeed's is 4)"),
+    FieldSpec("devices_per_node", None, optional(integer(1)), "use the devices of one node along the data axis",
+              doc="no DeepSpeed key: nodes for qgZ's two hops and the comm report's spans (None: "
+                  "hpz_partition_size when above 1, else one process's devices)"),
 )}
 
 
@@ -262,7 +282,8 @@ class Rule:
 
     ``on_zeroconfig`` / ``on_deepspeed``: "error", or "allow" (ZeroConfig accepts it) /
     "ignore" (DeepSpeed reads the file but ignores the field there: the reader warns and
-    drops it, as DeepSpeed does).
+    drops it, as DeepSpeed does); "warn": accepted with an IgnoredKeysWarning naming it (the
+    reader keeps the value).
     """
 
     field: str
@@ -274,10 +295,15 @@ class Rule:
     on_deepspeed: str = "error"
 
 
-def _stage3_tuning(field: str) -> Rule:
+def _stage3_tuning(field: str, on_zeroconfig: str = "allow") -> Rule:
     return Rule(field, ("stage",), lambda v: v["stage"] != 3 and v[field] != FIELDS[field].default,
                 lambda v, n: f"only applies at ZeRO stage 3 ({n('stage')} is {v['stage']})",
-                "remove it, or set stage 3", on_zeroconfig="allow", on_deepspeed="ignore")
+                "remove it, or set stage 3", on_zeroconfig=on_zeroconfig, on_deepspeed="ignore")
+
+
+ZEROPP = ("quantized_weights", "hpz_partition_size", "quantized_gradients")
+NONTRAINABLE = ("zerojax has no frozen leaves to store quantized (every leaf of the params tree gets a gradient "
+                "and an optimizer update), so every weight is stored at full width")
 
 
 RULES: tuple = (
@@ -303,6 +329,11 @@ RULES: tuple = (
                       "(ratio < 1) is a ZeRO-3 feature", "use ratio 1.0 or stage 3"),
     *(_stage3_tuning(f) for f in ("prefetch_bucket_size", "param_persistence_threshold", "max_live_parameters",
                                   "max_reuse_distance")),
+    # ZeRO++ below stage 3: DeepSpeed reads the keys and ignores them; so does zerojax, warning
+    *(_stage3_tuning(f, "warn") for f in ZEROPP),
+    Rule("quantized_nontrainable_weights", (), lambda v: v["quantized_nontrainable_weights"],
+         lambda v, n: f"is not honoured: {NONTRAINABLE}", "remove it; quantized_weights quantizes the weights' "
+         "gathers", on_zeroconfig="warn"),
 )
 
 
@@ -362,6 +393,9 @@ def validate(values: Mapping, paths: Optional[Mapping] = None) -> dict:
     for rule in broken_rules(merged):
         if rule.on_zeroconfig == "error":
             raise ConfigError(rule_message(rule, merged, paths))
+        if rule.on_zeroconfig == "warn":
+            warnings.warn(rule_message(rule, merged, paths, consequence=" zerojax accepts and ignores it."),
+                          IgnoredKeysWarning, stacklevel=4)
     return out
 
 

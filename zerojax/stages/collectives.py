@@ -112,20 +112,36 @@ def buckets(sizes, limit: int):
     return out
 
 
-def _rows(x, lay: LeafLayout, n: int):
-    """Padded leaf -> (n, chunk): row d is device d's partition."""
+def _moved(lay: LeafLayout):
+    """The storage shape with the split dim first."""
+    moved = list(lay.storage_shape)
+    moved.insert(0, moved.pop(lay.axis))
+    return moved
+
+
+def rows(x, lay: LeafLayout, n: int):
+    """Whole leaf (unpadded or padded) -> (n, chunk): row d is device d's partition, flat."""
     return jnp.moveaxis(ZeroPlan.pad(x, lay), lay.axis, 0).reshape(n, -1)
 
 
-def _unrow(flat, lay: LeafLayout, n: int):
-    """One device's flat partition -> its shard in the leaf's layout."""
-    moved = list(lay.storage_shape)
-    moved.insert(0, moved.pop(lay.axis))
+def shard_row(shard, lay: LeafLayout):
+    """This device's shard -> its row of :func:`rows`."""
+    return jnp.moveaxis(shard, lay.axis, 0).reshape(-1)
+
+
+def unrow(flat, lay: LeafLayout, n: int):
+    """One device's flat partition (a row of :func:`rows`) -> its shard in the leaf's layout."""
+    moved = _moved(lay)
     moved[0] //= n
     return jnp.moveaxis(flat.reshape(moved), 0, lay.axis)
 
 
-def _bucket_members(values, lays, bucket_size: int):
+def unrows(r, lay: LeafLayout):
+    """All devices' rows (n, chunk) -> the whole (unpadded) leaf."""
+    return ZeroPlan.unpad(jnp.moveaxis(r.reshape(_moved(lay)), 0, lay.axis), lay)
+
+
+def bucket_members(values, lays, bucket_size: int):
     """Index lists, one per bucket: same dtype, at most ``bucket_size`` elements together."""
     for dtype in sorted({v.dtype for v in values}, key=str):
         idx = [i for i, v in enumerate(values) if v.dtype == dtype]
@@ -137,16 +153,16 @@ def bucketed_reduce_scatter(grads, lays, axis_name: str, n: int, bucket_size: in
     """Whole local gradients -> this device's shards of their sums, one reduce-scatter per
     bucket of at most ``bucket_size`` elements (per dtype)."""
     out = [None] * len(grads)
-    for members in _bucket_members(grads, lays, bucket_size):
+    for members in bucket_members(grads, lays, bucket_size):
         if len(members) == 1:
             out[members[0]] = reduce_scatter(grads[members[0]], lays[members[0]], axis_name)
             continue
-        rows = [_rows(grads[i], lays[i], n) for i in members]
-        flat = jax.lax.psum_scatter(jnp.concatenate(rows, axis=1), axis_name, scatter_dimension=0, tiled=True)
+        parts = [rows(grads[i], lays[i], n) for i in members]
+        flat = jax.lax.psum_scatter(jnp.concatenate(parts, axis=1), axis_name, scatter_dimension=0, tiled=True)
         flat = flat.reshape(-1)
         offset = 0
-        for i, r in zip(members, rows):
-            out[i] = _unrow(flat[offset:offset + r.shape[1]], lays[i], n)
+        for i, r in zip(members, parts):
+            out[i] = unrow(flat[offset:offset + r.shape[1]], lays[i], n)
             offset += r.shape[1]
     return out
 
@@ -162,18 +178,15 @@ def bucketed_all_reduce_slice(grads, lays, axis_name: str, n: int, bucket_size: 
 def bucketed_gather(shards, lays, axis_name: str, n: int, bucket_size: int):
     """This device's shards -> whole (unpadded) leaves, one all-gather per bucket."""
     out = [None] * len(shards)
-    for members in _bucket_members(shards, lays, bucket_size):
+    for members in bucket_members(shards, lays, bucket_size):
         if len(members) == 1:
             out[members[0]] = gather(shards[members[0]], lays[members[0]], axis_name)
             continue
         flats = [jnp.moveaxis(shards[i], lays[i].axis, 0).reshape(-1) for i in members]
-        rows = jax.lax.all_gather(jnp.concatenate(flats), axis_name, axis=0, tiled=False)  # (n, total)
+        gathered = jax.lax.all_gather(jnp.concatenate(flats), axis_name, axis=0, tiled=False)  # (n, total)
         offset = 0
         for i, f in zip(members, flats):
             lay = lays[i]
-            moved = list(lay.storage_shape)
-            moved.insert(0, moved.pop(lay.axis))
-            full = jnp.moveaxis(rows[:, offset:offset + f.size].reshape(moved), 0, lay.axis)
-            out[i] = ZeroPlan.unpad(full, lay)
+            out[i] = unrows(gathered[:, offset:offset + f.size], lay)
             offset += f.size
     return out

@@ -12,7 +12,9 @@ stage's:
 
 With ``reduce_scatter=False`` (DeepSpeed's ``zero_optimization.reduce_scatter``) stages 1 and 2
 all-reduce those gradients instead (same buckets, 2Ψ per reduction) and each device keeps its
-own partition; stage 3 always reduce-scatters, as in DeepSpeed (ZeroPlan warns).
+own partition; stage 3 always reduce-scatters, as in DeepSpeed (ZeroPlan warns). With ZeRO++'s
+``quantized_gradients`` stage 3 reduces through quantized all-to-all exchanges instead
+(:mod:`zerojax.stages.zeropp`).
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from zerojax._compat import shard_map, to_device_memory
 from zerojax.plan import ZeroPlan
 from zerojax.stages import collectives as C
 from zerojax.stages.stage3 import gathered_loss
+from zerojax.stages.zeropp import Wire
 
 __all__ = ["grads_fn", "loss_arity"]
 
@@ -57,6 +60,10 @@ def grads_fn(loss_fn: Callable, plan: ZeroPlan, has_aux: bool = False):
 
     # reduce_scatter=False: all-reduce, then keep the local partition (stage 3 ignores the key)
     scatter = C.bucketed_reduce_scatter if cfg.reduce_scatter or plan.stage == 3 else C.bucketed_all_reduce_slice
+    wire = Wire.of(plan)
+    if wire.grad_bits:  # ZeRO++ qgZ (stage 3): the leaves kept whole are reduced the same quantized way
+        def scatter(xs, lays, axis_name, n, bucket_size):
+            return wire.bucketed_reduce(xs, lays, bucket_size)
 
     def reduce_some(tree, select):
         """Reduce the leaves ``select`` picks into this device's partitions, in buckets of

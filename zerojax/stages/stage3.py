@@ -48,6 +48,7 @@ from jax.extend.core import Literal, jaxpr_as_fun
 from zerojax._compat import Tracer, primitives, to_device_memory
 from zerojax.plan import LeafLayout, ZeroPlan
 from zerojax.stages import collectives as C
+from zerojax.stages.zeropp import Wire
 
 MARK = "zerojax_gather"
 
@@ -62,6 +63,8 @@ def _tie(x, anchor):
     if anchor is None:
         return x
     a = jnp.ravel(anchor)[0] if anchor.ndim else anchor
+    if not jnp.issubdtype(x.dtype, jnp.floating):  # integers (quantized rows): ``0 * a`` would fold
+        return jax.lax.optimization_barrier((x, a))[0]
     if not jnp.issubdtype(a.dtype, jnp.floating):
         a = a.astype(jnp.float32)
     return x + jnp.zeros((), x.dtype) * jax.lax.stop_gradient(a).astype(x.dtype)
@@ -84,13 +87,13 @@ class Fetches:
             b.last_use = self.count
 
 
-def _gather_again(full, shard, anchor, lay: LeafLayout, axis_name: str):
+def _gather_again(full, shard, anchor, lay: LeafLayout, wire: Wire):
     """``full`` gathered anew from ``shard`` (after ``anchor``): the forward pass moves the param
     again instead of keeping ``full`` alive; the cotangent is handed to ``full``, so all uses'
-    cotangents still meet before the param's one reduce-scatter."""
+    cotangents still meet before the param's one reduction."""
 
     def gathered(full, shard, anchor):  # ``full`` is not read: only its cotangent matters
-        return C.gather(_tie(to_device_memory(shard), anchor), lay, axis_name)
+        return wire.gather_values(_tie(to_device_memory(shard), anchor), lay)[0]
 
     again = jax.custom_vjp(gathered)
     again.defvjp(lambda *args: (gathered(*args), None), lambda _, ct: (ct, None, None))
@@ -100,19 +103,29 @@ def _gather_again(full, shard, anchor, lay: LeafLayout, axis_name: str):
 class Base:
     """A partitioned param not gathered yet: its local shard, layout and forward gather."""
 
-    __slots__ = ("shard", "lay", "full", "axis_name", "fetches", "last_use")
+    __slots__ = ("shard", "lay", "full", "secondary", "wire", "fetches", "last_use")
 
-    def __init__(self, shard, lay: LeafLayout, axis_name: str, fetches: Optional[Fetches] = None):
-        self.shard, self.lay, self.full, self.axis_name = shard, lay, None, axis_name
+    def __init__(self, shard, lay: LeafLayout, wire: Wire, fetches: Optional[Fetches] = None):
+        self.shard, self.lay, self.full, self.secondary, self.wire = shard, lay, None, None, wire
         self.fetches = Fetches(math.inf) if fetches is None else fetches
         self.last_use = None  # Fetches.count after the last use of ``full``; None: not used yet
 
+    @property
+    def axis_name(self) -> str:
+        return self.wire.axis_name
+
+    @property
+    def residual(self):
+        """What the backward pass gathers the param from: the hpZ secondary partition (kept
+        from the forward gather), else the shard itself."""
+        return self.shard if self.secondary is None else self.secondary
+
     def gather_forward(self, anchor):
         if self.full is None:
-            # the gather's transpose is the reduce-scatter: all use sites' cotangents are
+            # the gather's transpose is the gradient reduction: all use sites' cotangents are
             # summed first, so a tied param is reduced once
             # an offloaded shard comes from host memory just before its gather
-            self.full = C.gather(_tie(to_device_memory(self.shard), anchor), self.lay, self.axis_name)
+            self.full, self.secondary = self.wire.gather(_tie(to_device_memory(self.shard), anchor), self.lay)
         return self.full
 
     def fetch(self, anchor):
@@ -120,7 +133,7 @@ class Base:
         ``max_reuse_distance`` elements of params were used since the copy's last use."""
         if self.full is not None and self.last_use is not None \
                 and self.fetches.count - self.last_use > self.fetches.limit:
-            self.full = _gather_again(self.full, self.shard, anchor, self.lay, self.axis_name)
+            self.full = _gather_again(self.full, self.shard, anchor, self.lay, self.wire)
             self.last_use = None
         return self.gather_forward(anchor)
 
@@ -208,13 +221,14 @@ def _use_site(op: Callable[[list], list], invals: list, anchor):
         return apply(fulls, diffs, consts)
 
     def fwd(fulls, shards, diffs, consts):
-        # residuals: shards and activations only, never the gathered params
+        # residuals: shards (or hpZ secondary partitions) and activations, never the gathered params
         return apply(fulls, diffs, consts), (shards, diffs, consts)
 
     def bwd(res, ct):
         shards, diffs, consts = res
         ct_anchor = next((c for c in ct if hasattr(c, "dtype") and _is_float(c)), None)
-        fulls = [C.gather(_tie(to_device_memory(s), ct_anchor), b.lay, b.axis_name) for s, b in zip(shards, bases)]
+        fulls = [b.wire.regather(_tie(to_device_memory(s), ct_anchor), b.lay, b.shard.dtype)
+                 for s, b in zip(shards, bases)]
         _, vjp = jax.vjp(lambda f, d: apply(f, d, consts), fulls, diffs)
         d_fulls, d_diffs = vjp(ct)
         return d_fulls, [None] * len(shards), d_diffs, [None] * len(consts)
@@ -222,7 +236,7 @@ def _use_site(op: Callable[[list], list], invals: list, anchor):
     site.defvjp(fwd, bwd)
     fulls = [b.fetch(anchor) for b in bases]
     bases[0].fetches.used(bases)
-    shards = [jax.lax.stop_gradient(b.shard) for b in bases]
+    shards = [jax.lax.stop_gradient(b.residual) for b in bases]
     return site(fulls, shards, [invals[i] for i in diff_pos], [invals[i] for i in const_pos])
 
 
@@ -274,14 +288,14 @@ def _chunked_dot(eqn, invals, chunk: int) -> Optional[list]:
     shape_c = list(lay.shape)
     shape_c[ca] = rows
     lay_c = dataclasses.replace(lay, shape=tuple(shape_c))
-    axis_name = base.axis_name
+    wire = base.wire
+    shard_shape, shard_dtype = base.shard.shape, base.shard.dtype
 
     def start(j):  # the last slice ends at the param's end, overlapping the one before
         return jnp.minimum(j * rows, lay.shape[ca] - rows)
 
-    def piece(shard, j, anchor):
-        part = jax.lax.dynamic_slice_in_dim(shard, start(j), rows, axis=ca)
-        return C.gather(_tie(part, anchor), lay_c, axis_name)
+    def part(shard, j):
+        return jax.lax.dynamic_slice_in_dim(shard, start(j), rows, axis=ca)
 
     def dot(xv, full):
         vals = [None, None]
@@ -290,15 +304,29 @@ def _chunked_dot(eqn, invals, chunk: int) -> Optional[list]:
 
     out_aval = eqn.outvars[0].aval
 
-    # slices are written into whole-size buffers in place; overlapping rows get equal values
-    def forward(shard, xv):
-        def body(j, out):
-            return jax.lax.dynamic_update_slice_in_dim(out, dot(xv, piece(shard, j, None)), start(j), out_axis)
+    # slices are written into whole-size buffers in place; overlapping rows get equal values;
+    # with hpZ each slice's secondary partition is kept for the backward pass
+    def run(shard, xv):
+        def body(j, carry):
+            out, secs = carry
+            full, sec = wire.gather_values(part(shard, j), lay_c)
+            out = jax.lax.dynamic_update_slice_in_dim(out, dot(xv, full), start(j), out_axis)
+            if secs is not None:
+                secs = jax.lax.dynamic_update_index_in_dim(secs, sec, j, 0)
+            return out, secs
 
-        return jax.lax.fori_loop(0, k, body, jnp.zeros(out_aval.shape, out_aval.dtype))
+        secs = None
+        if wire.hpz:
+            sec = jax.eval_shape(lambda s: wire.gather_values(part(s, 0), lay_c)[1], shard)
+            secs = jnp.zeros((k,) + sec.shape, sec.dtype)
+        return jax.lax.fori_loop(0, k, body, (jnp.zeros(out_aval.shape, out_aval.dtype), secs))
+
+    def fwd(shard, xv):
+        out, secs = run(shard, xv)
+        return out, (shard if secs is None else secs, xv)
 
     def bwd(res, ct):
-        shard, xv = res
+        src, xv = res
 
         def body(j, carry):
             dx, dshard = carry
@@ -308,18 +336,21 @@ def _chunked_dot(eqn, invals, chunk: int) -> Optional[list]:
             shape = [1] * ct_j.ndim
             shape[out_axis] = rows
             ct_j = jnp.where(fresh.reshape(shape), ct_j, jnp.zeros((), ct_j.dtype))
-            _, vjp = jax.vjp(dot, xv, piece(shard, j, ct_j))
+            from_ = jax.lax.dynamic_index_in_dim(src, j, 0, keepdims=False) if wire.hpz else part(src, j)
+            _, vjp = jax.vjp(dot, xv, wire.regather(_tie(from_, ct_j), lay_c, shard_dtype))
             dx_j, dfull = vjp(ct_j)
-            part = C.reduce_scatter(dfull, lay_c, axis_name)
-            part = part + jax.lax.dynamic_slice_in_dim(dshard, start(j), rows, axis=ca)
-            return dx + dx_j.astype(dx.dtype), jax.lax.dynamic_update_slice_in_dim(dshard, part, start(j), ca)
+            piece = wire.reduce(dfull, lay_c).astype(shard_dtype)
+            piece = piece + jax.lax.dynamic_slice_in_dim(dshard, start(j), rows, axis=ca)
+            return dx + dx_j.astype(dx.dtype), jax.lax.dynamic_update_slice_in_dim(dshard, piece, start(j), ca)
 
         dx0 = jnp.zeros(xv.shape, jnp.promote_types(xv.dtype, jnp.float32))
-        dx, dshard = jax.lax.fori_loop(0, k, body, (dx0, jnp.zeros(shard.shape, shard.dtype)))
+        dx, dshard = jax.lax.fori_loop(0, k, body, (dx0, jnp.zeros(shard_shape, shard_dtype)))
         return dshard, dx.astype(xv.dtype)
 
+    sliced = jax.custom_vjp(lambda shard, xv: run(shard, xv)[0])
+    sliced.defvjp(fwd, bwd)
     base.fetches.used([base])
-    return [_keeping_inputs(forward, bwd)(to_device_memory(base.shard), x)]
+    return [sliced(to_device_memory(base.shard), x)]
 
 
 def _sharded_lookup(eqn, invals) -> Optional[list]:
@@ -380,15 +411,15 @@ def _anchor(vals):
 
 
 class _Interpreter:
-    def __init__(self, axis_name: str, prefetch: int, chunk: int, reuse_distance: float = math.inf):
-        self.axis_name = axis_name
+    def __init__(self, wire: Wire, prefetch: int, chunk: int, reuse_distance: float = math.inf):
+        self.wire = wire
         self.prefetch = prefetch
         self.chunk = chunk
         self.fetches = Fetches(reuse_distance)
         self.prims = primitives()
 
     def base(self, shard, lay: LeafLayout) -> Lazy:
-        return _param(Base(shard, lay, self.axis_name, self.fetches))
+        return _param(Base(shard, lay, self.wire, self.fetches))
 
     def _loop_body(self, body: Callable, times: int) -> Callable:
         """``body`` counting the params it uses ``times`` over (once per iteration), however
@@ -567,8 +598,9 @@ def _is_literal_like(x) -> bool:
 
 def gathered_loss(loss_fn: Callable, plan: ZeroPlan, takes_rng: bool):
     """``loss(shards, micro_batch, key)`` for stage 3: the user's loss on just-in-time gathered
-    params; gradients w.r.t. the shards come out reduce-scattered."""
-    axis = plan.data_axis
+    params; gradients w.r.t. the shards come out reduced into each device's shard (a
+    reduce-scatter, or ZeRO++'s quantized exchanges: :class:`zerojax.stages.zeropp.Wire`)."""
+    wire = Wire.of(plan)
     prefetch = int(plan.config.prefetch_bucket_size)
 
     def whole(lay, x):  # abstract whole param, for tracing the user's loss
@@ -577,7 +609,7 @@ def gathered_loss(loss_fn: Callable, plan: ZeroPlan, takes_rng: bool):
     def loss(shards, mb, key):
         extra = (key,) if takes_rng else ()
         closed, out_shape = jax.make_jaxpr(loss_fn, return_shape=True)(plan.map(whole, shards), mb, *extra)
-        interp = _Interpreter(axis, prefetch, min(prefetch, int(plan.config.max_live_parameters)),
+        interp = _Interpreter(wire, prefetch, min(prefetch, int(plan.config.max_live_parameters)),
                               int(plan.config.max_reuse_distance))
         lazies = plan.map(lambda lay, x: interp.base(x, lay) if lay.params_partitioned else x, shards)
         flat = jax.tree_util.tree_leaves((lazies, mb) + extra, is_leaf=lambda x: isinstance(x, Lazy))

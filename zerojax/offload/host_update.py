@@ -3,6 +3,8 @@
 The (still loss-scaled) gradients travel to the host in the compute dtype, the host
 (``compute_on("device_host")``) updates the fp32 master and moments that live in pinned host
 memory, and sends back compute-dtype params, which the device then gathers (stages 1–2).
+With ``offload_ratio`` < 1 the trees passed in hold only the host side's params (the others
+are None, optax's idiom for params it leaves alone); the device updates those itself.
 """
 from __future__ import annotations
 

@@ -8,9 +8,12 @@ offload: 0.5 s of compute, 7 s of host AdamW). Plain offload (ZeRO-Offload) send
 top-k input rows of each 2-D weight on the device every step and hands the host the rest,
 every ``update_interval`` steps, overlapped with the device's next interval.
 
-Bytes: for plain offload, the operands and results of the compiled step's host computation
-(16-bit gradients down, 16-bit params up); for ZenFlow, what the step moved (gradients down
-every step, params up per host update, params down per reselection), over the timed steps.
+Bytes: both counted the same way, from the arrays each moves and how often, over the timed
+steps (all devices together): plain offload moves every param's 16-bit gradient down and its
+16-bit value back up every step; ZenFlow moves the 2-D weights' 16-bit gradients down every
+step, their 16-bit values up per host update and down per reselection (the step's own event
+counts). Cross-checks printed beside them: for plain offload the operands and results of the
+compiled step's host computation, for ZenFlow its byte counters.
 
 On this machine the "device" and the host are the same two CPU cores, so overlap buys less
 than on a GPU; the device idle fraction is reported only where a GPU is present.
@@ -75,6 +78,11 @@ def host_call_bytes(step, state, batch) -> tuple:
     return down, up
 
 
+def leaf_bytes(shapes, dtype) -> int:
+    """Bytes of these leaves (shape-bearing objects) in ``dtype``."""
+    return sum(int(np.prod(x.shape)) * jnp.dtype(dtype).itemsize for x in jax.tree_util.tree_leaves(shapes))
+
+
 def run(batches, zenflow, steps):
     tx = optax.inject_hyperparams(optax.adamw)(learning_rate=3e-4, weight_decay=0.01)
     config = zj.ZeroConfig(stage=2, precision="bf16", offload_optimizer="cpu", zenflow=zenflow)
@@ -83,7 +91,10 @@ def run(batches, zenflow, steps):
     for b in batches[:2]:  # compile (and, for ZenFlow, the first selection)
         state, m = step(state, b)
     jax.block_until_ready(state.params)
-    bytes0 = (getattr(step, "bytes_to_host", 0), getattr(step, "bytes_to_device", 0))
+    shapes = jax.eval_shape(init_mlp, jax.random.PRNGKey(0))
+    cdt = jnp.bfloat16
+    events0 = (getattr(step, "host_updates", 0), getattr(step, "selections", 0))
+    counters0 = (getattr(step, "bytes_to_host", 0), getattr(step, "bytes_to_device", 0))
     t0 = time.perf_counter()
     losses = []
     for b in batches[2:2 + steps]:
@@ -92,13 +103,19 @@ def run(batches, zenflow, steps):
     jax.block_until_ready((state.params, losses))
     dt = (time.perf_counter() - t0) / steps
     if zenflow:
-        moved = (step.bytes_to_host - bytes0[0] + step.bytes_to_device - bytes0[1]) / steps
-        extra = f"host updates {step.host_updates}, max staleness {step.max_staleness}"
+        updates, selections = step.host_updates - events0[0], step.selections - events0[1]
+        weights = leaf_bytes([x for x in jax.tree_util.tree_leaves(shapes) if x.ndim == 2], cdt)
+        moved = (steps * weights + updates * weights + selections * weights) / steps
+        counted = (step.bytes_to_host - counters0[0] + step.bytes_to_device - counters0[1]) / steps
+        extra = (f"host updates {updates}, selections {selections}, max staleness {step.max_staleness}; "
+                 f"its counters: {counted / 2**20:.2f} MiB/step")
         step.close()
     else:
+        everything = leaf_bytes(shapes, cdt)
+        moved = 2 * everything  # every gradient down, every param up, each step
         down, up = host_call_bytes(step, state, batches[0])
-        moved = down + up
-        extra = f"{down / 2**20:.2f} MiB grads down + {up / 2**20:.2f} MiB params up"
+        extra = (f"{everything / 2**20:.2f} MiB grads down + {everything / 2**20:.2f} MiB params up; "
+                 f"the compiled host call: {down / 2**20:.2f} + {up / 2**20:.2f} MiB")
     return dt, moved, float(np.mean([float(x) for x in losses[-4:]])), extra
 
 

@@ -48,6 +48,12 @@ def test_matches_plain_optax_fp32(stage, opt, params, data):
     np.testing.assert_allclose(column(history, "loss"), want_losses, rtol=1e-6)
 
 
+def test_the_chained_clip_engages_on_every_step(params, data):
+    """OPTIMIZERS["chain_clip_schedule"] clips at 0.05, below every step's global norm: a ZeRO
+    update that took the norm over its own partition only would not match the reference."""
+    assert min(reference_run(params, OPTIMIZERS["chain_clip_schedule"](), data).norms) > 0.05
+
+
 # ------------------------------------------------------------------ clipping
 CLIP = 0.05  # below every step's gradient norm (0.17-0.36 on these batches): it clips every step
 

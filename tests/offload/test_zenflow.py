@@ -54,7 +54,7 @@ def test_zenflow_needs_host_offload_and_adamw_settings():
         zj.make_train_step(loss_fn, opaque)
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("stage", [2])  # stages 1 and 3: against the numpy reference below
 def test_update_every_step_without_overlap_equals_plain_offloaded_adamw(stage):
     params = init_params(jax.random.PRNGKey(0))
     data = batches(5)
@@ -102,21 +102,21 @@ def test_selection_picks_the_rows_with_the_largest_gradient_l1_norms():
 
 # ------------------------------------------------------------- against the numpy ZenFlow
 SCHEDULE = optax.linear_schedule(1e-2, 2e-3, 6)  # the host must use the lr of the step it follows
-CASES = {  # (overlap_step, full_warm_up_rounds, gradient_clipping)
-    "sync": (False, 0, 0.0),
-    "overlap": (True, 0, 0.0),
-    "overlap-warm-up-clipped": (True, 1, 0.05),  # 0.05: below every step's norm, it clips
+CASES = {  # (overlap_step, full_warm_up_rounds, gradient_clipping, stage)
+    "sync": (False, 0, 0.0, 1),
+    "overlap": (True, 0, 0.0, 3),
+    "overlap-warm-up-clipped": (True, 1, 0.05, 2),  # 0.05: below every step's norm, it clips
 }
 _grad = jax.jit(jax.grad(loss_fn))
 
 
 def check_against_reference(case, steps=6, interval=2):
-    overlap, warm, clip = CASES[case]
+    overlap, warm, clip, stage = CASES[case]
     params = init_params(jax.random.PRNGKey(0))
     block = {"update_interval": interval, "topk_ratio": 0.25, "overlap_step": overlap, "select_strategy": "step",
              "select_interval": 2 * interval, "full_warm_up_rounds": warm}
     tx = optax.inject_hyperparams(optax.adamw)(learning_rate=SCHEDULE, weight_decay=0.1)
-    state = zen_state(params, block, tx=tx, gradient_clipping=clip)
+    state = zen_state(params, block, stage=stage, tx=tx, gradient_clipping=clip)
     step = zj.make_train_step(loss_fn, state)
     ref = ZenFlowReference(params, _grad, SCHEDULE, topk_ratio=0.25, update_interval=interval, overlap=overlap,
                            select_interval=2 * interval, full_warm_up_rounds=warm, weight_decay=0.1, clip=clip)

@@ -35,6 +35,19 @@ def test_axis_choice(shape, axis, padded):
     assert lay.params_partitioned == (axis is not None)
 
 
+@pytest.mark.parametrize("shape,axis,padded", [
+    ((50257, 768), 0, 50264),  # below stage 3 the rows: contiguous shards for 7 rows of padding
+    ((16, 8), 0, 16),
+    ((3, 1024), 1, 1024),      # padding 3 rows to 8 costs far more than a strided split
+    ((12, 768, 3072), 1, 768),  # 12 layers pad to 16: the next dim, which divides
+    ((50257,), 0, 50264),
+])
+def test_axis_choice_below_stage_3_prefers_contiguous_shards(shape, axis, padded):
+    for stage in (1, 2):
+        lay = zj.ZeroPlan.create({"w": sds(*shape)}, zj.make_mesh(), zj.ZeroConfig(stage=stage)).layouts["w"]
+        assert (lay.axis, lay.padded) == (axis, padded)
+
+
 def _plan_bytes(plan, tx):
     """Stored bytes on one device, from the plan's shardings (shapes only)."""
     total = 0

@@ -7,8 +7,10 @@ the leaf's params, gradients and optimizer state are partitioned at the chosen s
 Everything else (state construction, the step, reports, checkpoints) reads the plan.
 
 Partitioned storage is *near exact*: a leaf is split along the dimension that divides the
-data-axis size (or needs the least padding), so a 50257 x 768 embedding on 8 devices is
-split along its 768 columns and nothing is replicated for not dividing.
+data-axis size (or needs the least padding), so at stage 3 a 50257 x 768 embedding on 8
+devices is split along its 768 columns and nothing is replicated for not dividing. Below
+stage 3 (only gradients and optimizer state split) contiguous shards win: the same table is
+split along its rows, padded by 7.
 
     plan = ZeroPlan.create(params, mesh, ZeroConfig(stage=3, param_persistence_threshold=0))
     plan.param_shardings      # tree of NamedSharding, padded storage shapes in plan.storage_shapes
@@ -115,17 +117,29 @@ def _base_spec(leaf, user_spec, mesh: Mesh, data_axis: str, path: str) -> Tuple[
     return tuple(clean)
 
 
-def _choose_axis(shape, base_spec, n: int) -> Tuple[Optional[int], int]:
+# at stages 1-2 a split that is not along the leading dim moves a strided slab in every
+# reduce-scatter and all-gather (the CPU compiler adds a transpose copy to each); it is worth
+# this much relative padding to keep shards contiguous
+CONTIGUITY_WORTH = 0.01
+
+
+def _choose_axis(shape, base_spec, n: int, stage: int = 3) -> Tuple[Optional[int], int]:
     """The free dim that needs the least relative padding to divide ``n``; among equals the
     earliest (contiguous shards), except that the leading axis of a 3-D or higher leaf (the
     layer axis of stacked weights, which ``lax.scan`` slices) is split only when nothing else
-    divides as well."""
+    divides as well. Below stage 3 only the gradients and the optimizer state are split, as
+    flat as DeepSpeed's buffers: the leading dim wins unless it needs more than
+    ``CONTIGUITY_WORTH`` more relative padding (a 50257-row table pads 7 rows instead of
+    being split along its columns)."""
     best, best_key = None, None
-    for d, size in enumerate(shape):
-        if base_spec[d] is not None or size == 0:
-            continue
+    free = [d for d, size in enumerate(shape) if base_spec[d] is None and size != 0]
+    for d in free:
+        size = shape[d]
         padded = -(-size // n) * n
-        key = (padded / size, d == 0 and len(shape) >= 3, d)
+        if stage < 3:
+            key = (padded / size + (0.0 if d == free[0] else CONTIGUITY_WORTH), d)
+        else:
+            key = (padded / size, d == 0 and len(shape) >= 3, d)
         if best_key is None or key < best_key:
             best, best_key = d, key
     if best is None:
@@ -231,7 +245,7 @@ class ZeroPlan:
                 raise ConfigError(f"param {name!r} has dtype {leaf.dtype}; trainable params must be floating point")
             shape = tuple(int(s) for s in leaf.shape)
             base = _base_spec(leaf, user_spec, mesh, data_axis, name)
-            axis, padded = _choose_axis(shape, base, n)
+            axis, padded = _choose_axis(shape, base, n, config.stage)
             big = math.prod(shape) >= config.param_persistence_threshold
             layouts.append(
                 LeafLayout(

@@ -101,6 +101,18 @@ def tree_all_finite(tree) -> jax.Array:
 
 
 def global_norm(tree) -> jax.Array:
-    """L2 norm over every leaf of ``tree``, accumulated in float32."""
+    """L2 norm over every leaf of ``tree``, accumulated in float32. Any inf or nan in a leaf
+    makes it inf or nan, so ``isfinite(global_norm(g))`` is the overflow check too.
+
+    Each leaf's sum of squares is a dot product of the leaf with itself: one read, and no
+    squared copy that the compiler could share with an optimizer's own ``g ** 2`` (and then
+    keep in memory as a whole-size buffer)."""
     leaves = jax.tree_util.tree_leaves(tree)
-    return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in leaves))
+    if not leaves:
+        return jnp.float32(0.0)
+
+    def sum_sq(x):
+        x = x.astype(jnp.float32).reshape(-1)
+        return jnp.dot(x, x, precision=jax.lax.Precision.HIGHEST)
+
+    return jnp.sqrt(sum(sum_sq(x) for x in leaves))

@@ -4,7 +4,6 @@ import errno
 import os
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest

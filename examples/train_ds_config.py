@@ -7,7 +7,7 @@ random start and stride), which a small model learns in a few dozen steps.
     python examples/train_ds_config.py                                     # ZeRO-2, fp32, 60 steps
     python examples/train_ds_config.py --config examples/ds_configs/zero1.json --bf16 --steps 60
     zerojax config check examples/ds_configs/zero2.json --world-size 8 \\
-        --training-args '{"per_device_train_batch_size": 2, "max_steps": 30}'    # see the resolved config
+        --training-args '{"per_device_train_batch_size": 2, "max_steps": 30}'    # a verdict per key (--json: the resolved config)
 """
 import argparse
 import functools

@@ -56,7 +56,9 @@ def node_size(plan: ZeroPlan) -> int:
         return int(cfg.devices_per_node)
     if cfg.hpz_partition_size > 1:
         return int(cfg.hpz_partition_size)
-    devices = plan.mesh.devices
+    devices = getattr(plan.mesh, "devices", None)
+    if devices is None:  # an abstract mesh: no processes to read, the axis is one node
+        return plan.n
     axis = plan.mesh.axis_names.index(plan.data_axis)
     procs = [d.process_index for d in np.moveaxis(devices, axis, 0).reshape(devices.shape[axis], -1)[:, 0]]
     k = next((i for i, p in enumerate(procs) if p != procs[0]), len(procs))
@@ -206,4 +208,22 @@ class Wire:
         return out
 
 
-__all__ = ["WEIGHT_BITS", "Wire", "node_size"]
+def secondary_bytes(plan: ZeroPlan) -> int:
+    """Bytes per device of the hpZ secondary partitions: ``n / k`` rows of each partitioned
+    param (16-bit values, or their 8-bit payload with qwZ), held inside the step from the
+    param's forward gather to its backward use; 0 without hpZ. Counted per whole leaf (a
+    stacked layer gathered slice by slice differs by at most a block's padding per slice)."""
+    if plan.stage != 3 or plan.config.hpz_partition_size <= 1:
+        return 0
+    wire = Wire.of(plan)
+    itemsize = np.dtype(plan.compute_dtype).itemsize
+    total = 0
+    for lay in plan.leaves:
+        if lay.params_partitioned:
+            c = math.prod(C.local_shape(lay, plan.n))
+            row = Q.payload_size(c, wire.weight_bits, wire.block) if wire.weight_bits else c * itemsize
+            total += wire.nodes * row
+    return total
+
+
+__all__ = ["WEIGHT_BITS", "Wire", "node_size", "secondary_bytes"]

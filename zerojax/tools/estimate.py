@@ -29,6 +29,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from zerojax.config import ZeroConfig
 from zerojax.errors import ConfigError
 from zerojax.plan import ZeroPlan
+from zerojax.stages.zeropp import secondary_bytes
 from zerojax.tools.report import MemoryReport
 
 GiB = 2**30
@@ -383,4 +384,8 @@ def estimate(params_or_shapes, mesh_or_device_count, config: Optional[ZeroConfig
         params_or_shapes = jax.eval_shape(params_or_shapes, jax.random.PRNGKey(0))
     mesh = as_mesh(mesh_or_device_count, config)
     plan = ZeroPlan.create(params_or_shapes, mesh, config, param_specs=param_specs)
-    return report_from_arrays(plan_arrays(plan, tx), mesh)
+    report = report_from_arrays(plan_arrays(plan, tx), mesh)
+    extra = secondary_bytes(plan)  # ZeRO++ hpZ: held inside the step, listed apart from the stored state
+    if extra:
+        report.in_step["hpz secondary"] = extra
+    return report

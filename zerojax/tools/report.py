@@ -12,6 +12,8 @@ from collections import defaultdict
 
 import jax
 
+from zerojax.stages.zeropp import secondary_bytes
+
 
 @dataclasses.dataclass
 class MemoryReport:
@@ -31,6 +33,9 @@ class MemoryReport:
     by_part: dict[str, dict[str, int]]
     process_of: dict[int, int] = dataclasses.field(default_factory=dict)
     process_index: int = 0
+    # device bytes per device the step holds beyond the stored state by design, not counted
+    # above: "hpz secondary" (ZeRO++ hpZ's secondary partitions, forward to backward)
+    in_step: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def max_bytes(self, kind: str = "device") -> int:
         """Bytes of ``kind`` on the most loaded device."""
@@ -68,6 +73,8 @@ class MemoryReport:
             f"{k} max {self.max_bytes(k) / 2**20:.2f}" for k in kinds)]
         for part, d in self.by_part.items():
             lines.append(f"  {part:<10} " + "  ".join(f"{k}: {d.get(k, 0) / 2**20:.2f}" for k in kinds))
+        for part, nbytes in self.in_step.items():
+            lines.append(f"  inside the step, not stored: {part} device: {nbytes / 2**20:.2f}")
         if len(self.processes) > 1:
             for p in self.processes:
                 mark = " (this one)" if p == self.process_index else ""
@@ -119,4 +126,6 @@ def memory_report(state) -> MemoryReport:
         for (dev, kind), nbytes in d.items():
             kinds[kind] = max(kinds[kind], nbytes)
         by_part[part] = dict(kinds)
-    return MemoryReport({dev: dict(k) for dev, k in per_device.items()}, by_part, process_of, jax.process_index())
+    extra = secondary_bytes(state.plan)
+    return MemoryReport({dev: dict(k) for dev, k in per_device.items()}, by_part, process_of, jax.process_index(),
+                        {"hpz secondary": extra} if extra else {})

@@ -112,7 +112,10 @@ def global_norm(tree) -> jax.Array:
         return jnp.float32(0.0)
 
     def sum_sq(x):
-        x = x.astype(jnp.float32).reshape(-1)
-        return jnp.dot(x, x, precision=jax.lax.Precision.HIGHEST)
+        # contracted over every dim as it lies: flattening a leaf split along a later dim first
+        # would make the compiler gather the whole leaf
+        x = x.astype(jnp.float32)
+        dims = tuple(range(x.ndim))
+        return jax.lax.dot_general(x, x, ((dims, dims), ((), ())), precision=jax.lax.Precision.HIGHEST)
 
     return jnp.sqrt(sum(sum_sq(x) for x in leaves))

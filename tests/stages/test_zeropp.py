@@ -23,6 +23,8 @@ from zerojax.models import gpt
 from zerojax.stages import collectives as C
 from zerojax.stages import quantize as Q
 from zerojax.stages.zeropp import Wire, secondary_bytes
+from zerojax.tools.compiled import collectives as parse_collectives
+from zerojax.tools.compiled import replica_groups
 
 N, K = 8, 4  # devices, devices per node
 ALL = dict(quantized_weights=True, hpz_partition_size=K, quantized_gradients=True)
@@ -331,6 +333,19 @@ def test_compiled_collectives_follow_each_setting():
     assert every.volume(span="across", float_width=2) <= 0.35 * base.volume(span="across", float_width=2)
 
 
+def test_the_step_gathers_weights_only_for_their_uses():
+    """Outside the stage-3 gathers nothing is all-gathered (e.g. no gradient for its norm), so the
+    ratios above compare the weights' gathers alone: stacked layers split along a later dim too."""
+    cfg = gpt.GPTConfig(**{**TINY.__dict__, "scan": True})
+    state = zj.abstract_train_state(lambda k: gpt.init_params(cfg, k), optax.adamw(1e-3),
+                                    config=config(precision="bf16"))
+    assert any(lay.axis not in (None, 0) and len(lay.shape) == 3 for lay in state.plan.leaves)
+    batch = {"tokens": jax.ShapeDtypeStruct((N, cfg.seq_len + 1), np.int32)}
+    r = zj.comm_report(zj.make_train_step(gpt.loss_fn(cfg), state), state, batch)
+    rows = sum(int(np.prod(C.local_shape(lay, N))) for lay in state.plan.leaves)
+    assert r.kinds["all-gather"][2] <= 2 * N * rows  # forward and backward, at most once each
+
+
 def test_secondary_partition_in_memory_report_and_estimate():
     params = init_params(jax.random.PRNGKey(0))
     for zpp, width in (({"hpz_partition_size": K}, None), (ALL, 8)):
@@ -373,3 +388,22 @@ def test_deepspeed_keys_set_the_fields():
             "stage": 3, "zero_quantized_weights": True, "zero_hpz_partition_size": 4,
             "zero_quantized_gradients": True}})
     assert (cfg.quantized_weights, cfg.hpz_partition_size, cfg.quantized_gradients) == (True, 4, True)
+
+
+def test_replica_groups_of_every_hlo_spelling_and_their_span():
+    assert replica_groups("x = f32[8] all-gather(y), replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}") == \
+        [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert replica_groups("replica_groups=[2,4]<=[8]") == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert replica_groups("replica_groups=[4,2]<=[2,4]T(1,0)") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert replica_groups("replica_groups=mesh['a'=2,'b'=4] {'a'}") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert replica_groups("source_target_pairs={{0,1},{1,2}}") == [[0, 1], [1, 2]]
+    assert replica_groups("replica_groups={}") is None
+    hlo = "\n".join([
+        "ENTRY %main (p: f32[4]) -> f32[8] {",
+        "  %a = f32[8]{0} all-gather(f32[2]{0} %p), channel_id=1, replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}",
+        "  %b = u8[16]{0} all-to-all(u8[16]{0} %q), channel_id=2, replica_groups=[4,2]<=[2,4]T(1,0), dimensions={0}",
+        "}"])
+    r = parse_collectives(hlo, np.arange(8) // 4, 4)
+    assert r.volume("all-gather", "inside") == 32 and r.volume("all-gather", "across") == 0
+    assert r.volume("all-to-all", "across") == 16 and r.volume("all-to-all", "across", sent=True) == 8
+    assert r.volume("all-gather", float_width=2) == 16

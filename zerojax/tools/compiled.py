@@ -356,5 +356,5 @@ def peak_memory(step, state, batch) -> PeakMemory:
                       m.alias_size_in_bytes, getattr(m, "host_temp_size_in_bytes", 0))
 
 
-__all__ = ["CommReport", "PeakMemory", "SPANS", "collectives", "comm_report", "node_map", "peak_memory", "replica_groups",
-           "theory_elements"]
+__all__ = ["CommReport", "PeakMemory", "SPANS", "collectives", "comm_report", "node_map", "peak_memory",
+           "replica_groups", "theory_elements"]

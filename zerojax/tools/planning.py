@@ -49,7 +49,8 @@ from zerojax.models import gpt
 from zerojax.models.gpt import GPTConfig
 from zerojax.state import abstract_train_state
 from zerojax.step import make_train_step
-from zerojax.tools.compiled import PeakMemory, collectives, theory_elements
+from zerojax.stages.zeropp import node_size
+from zerojax.tools.compiled import CommReport, PeakMemory, collectives, node_map, theory_elements
 from zerojax.tools.estimate import estimate
 
 _STDERR_TAIL = 4000
@@ -150,6 +151,7 @@ class StepPlan:
     compile_seconds: float
     subprocess: bool
     platform: str = "cpu"
+    comm: Optional[CommReport] = None  # the collectives in full: per span (inside / across nodes), re-priceable
 
     @property
     def seconds(self) -> float:
@@ -240,8 +242,10 @@ def _plan_here(init_fn, loss_fn, batch_spec, axes: Dict[str, int], config: ZeroC
     m = compiled.memory_analysis()
     peak = PeakMemory(m.argument_size_in_bytes, m.output_size_in_bytes, m.temp_size_in_bytes,
                       m.alias_size_in_bytes)
-    comm = collectives(compiled.as_text())
-    theory, _ = theory_elements(state.plan, config.gradient_accumulation_steps)
+    k = node_size(state.plan)
+    comm = collectives(compiled.as_text(), node_map(mesh, config.data_axis, k), k)
+    theory, label = theory_elements(state.plan, config.gradient_accumulation_steps)
+    comm.theory_elements, comm.theory_label = theory, label
     stored = estimate(shapes, mesh, config, tx, param_specs=param_specs)
     host = max((stored.max_bytes(k) for k in stored.kinds if k != "device"), default=0)
     return StepPlan(
@@ -253,7 +257,7 @@ def _plan_here(init_fn, loss_fn, batch_spec, axes: Dict[str, int], config: ZeroC
         collective_bytes=int(comm.total_bytes), collective_elements=int(comm.total_elements),
         theory_elements=float(theory), collectives={k: tuple(int(x) for x in v) for k, v in comm.kinds.items()},
         lower_seconds=t1 - t0, compile_seconds=t2 - t1, subprocess=subprocess_,
-        platform=mesh.devices.flat[0].platform,
+        platform=mesh.devices.flat[0].platform, comm=comm,
     )
 
 
@@ -303,6 +307,8 @@ def _plan_in_child(request: dict, n: int, timeout: Optional[float]) -> StepPlan:
             raise RuntimeError(_CHILD_FAILED.format(n=n, rc=proc.returncode, tail=tail))
         with open(out, "rb") as f:
             fields = pickle.load(f)
+    if isinstance(fields.get("comm"), dict):  # dataclasses.asdict flattened it for the trip
+        fields["comm"] = CommReport(**fields["comm"])
     return StepPlan(**fields)
 
 

@@ -200,7 +200,7 @@ def test_estimate_any_device_count_matches_zero_formula(gpt2_shapes, stage, devi
 
 
 def test_formula_check_catches_a_plan_that_pads_more(gpt2_shapes, monkeypatch):
-    def last_free_dim(shape, base_spec, n):  # always split the last dim (wte: 768 -> 1024)
+    def last_free_dim(shape, base_spec, n, *rest):  # always split the last dim (wte: 768 -> 1024)
         dims = [d for d, size in enumerate(shape) if base_spec[d] is None and size]
         return (None, 0) if not dims else (dims[-1], -(-shape[dims[-1]] // n) * n)
 

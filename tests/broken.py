@@ -14,7 +14,7 @@ def invert_clipping(monkeypatch) -> None:
     """Gradients multiplied by the clip coefficient instead of divided by it."""
     real = update.clip_coefficient
     for module in CLIP_USERS:
-        monkeypatch.setattr(module, "clip_coefficient", lambda norm, clip: 1.0 / real(norm, clip))
+        monkeypatch.setattr(module, "clip_coefficient", lambda norm, clip, *rest: 1.0 / real(norm, clip, *rest))
 
 
 def update_without_master(monkeypatch) -> None:
@@ -23,11 +23,11 @@ def update_without_master(monkeypatch) -> None:
     params were updated in place."""
     real = update.optax_update
 
-    def broken(plan, tx, master, grads, opt_state):
+    def broken(plan, tx, master, grads, opt_state, key=None):
         def to16(tree):
             return jax.tree_util.tree_map(lambda x: x.astype(plan.compute_dtype).astype(x.dtype), tree)
 
-        master, opt_state = real(plan, tx, to16(master), grads, opt_state)
+        master, opt_state = real(plan, tx, to16(master), grads, opt_state, key)
         return to16(master), opt_state
 
     for module in (device_step, host_update):

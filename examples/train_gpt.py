@@ -7,6 +7,8 @@ read as bytes: a 256-token vocabulary and no download.
     python examples/train_gpt.py --stage 3 --precision fp32 --steps 100
     python examples/train_gpt.py --stage 2 --grad-accum 4 --precision fp16
     python examples/train_gpt.py --stage 3 --offload-optimizer cpu --offload-param cpu
+    python examples/train_gpt.py --zeropp                          # ZeRO-3 + qwZ, hpZ (2 nodes x 4), qgZ
+    python examples/train_gpt.py --stage 3 --qwz --hpz 4 --qgz --qgz-bits 8
     python examples/train_gpt.py --stage 2 --offload-optimizer nvme --nvme-path /local/nvme
     python examples/train_gpt.py --deepspeed-config examples/ds_configs/zero3_offload.json
 
@@ -74,8 +76,9 @@ def build(args, cfg, mesh):
         sys.exit(f"error: --batch {args.batch} must be a multiple of {n} devices x --grad-accum {args.grad_accum}")
     warmup = max(1, args.steps // 10)
     if args.deepspeed_config:
-        given = [f"--{k.replace('_', '-')}" for k in ("stage", "offload_optimizer", "offload_param", "nvme_path")
-                 if getattr(args, k) is not None]
+        given = [f"--{k.replace('_', '-')}" for k in ("stage", "offload_optimizer", "offload_param", "nvme_path", "hpz",
+                                                      "devices_per_node") if getattr(args, k) is not None]
+        given += [f"--{k}" for k in ("qwz", "qgz", "zeropp") if getattr(args, k)]
         if given:
             sys.exit(f"error: {', '.join(given)} and --deepspeed-config both set ZeRO options: write them in "
                      f"{args.deepspeed_config} (zero_optimization) or drop --deepspeed-config")
@@ -93,15 +96,22 @@ def build(args, cfg, mesh):
     try:
         # stage 3 keeps leaves under 10 x d_model elements whole (DeepSpeed's "auto"), so this small
         # model's matrices are partitioned too
-        config = zj.ZeroConfig(stage=2 if args.stage is None else args.stage, precision=args.precision,
+        zeropp = dict(quantized_weights=args.qwz or args.zeropp, quantized_gradients=args.qgz or args.zeropp,
+                      hpz_partition_size=args.hpz or (4 if args.zeropp else 1), quantized_gradients_bits=args.qgz_bits,
+                      devices_per_node=args.devices_per_node)
+        default_stage = 3 if args.qwz or args.qgz or args.zeropp or args.hpz else 2  # ZeRO++ is a stage-3 feature
+        config = zj.ZeroConfig(stage=default_stage if args.stage is None else args.stage, precision=args.precision,
                                gradient_accumulation_steps=args.grad_accum, gradient_clipping=args.clip,
                                offload_optimizer=args.offload_optimizer, offload_param=args.offload_param,
-                               nvme_path=args.nvme_path, param_persistence_threshold=10 * cfg.d_model)
+                               nvme_path=args.nvme_path, param_persistence_threshold=10 * cfg.d_model, **zeropp)
     except zj.ConfigError as e:
         sys.exit(f"error: {e}")
     schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, warmup, args.steps, args.lr / 10)
     tx = optax.inject_hyperparams(optax.adamw)(learning_rate=schedule, weight_decay=0.1)
-    state = zj.shard_train_state(init, tx, mesh=mesh, config=config, rng=jax.random.PRNGKey(args.seed))
+    try:
+        state = zj.shard_train_state(init, tx, mesh=mesh, config=config, rng=jax.random.PRNGKey(args.seed))
+    except zj.ConfigError as e:  # e.g. --hpz that does not divide the device count
+        sys.exit(f"error: {e}")
     return state, zj.make_train_step(loss_fn(cfg), state), args.batch
 
 
@@ -110,6 +120,7 @@ def describe_memory(report) -> str:
     for kind in report.kinds:
         parts = ", ".join(f"{part} {v[kind] / 2**20:.2f}" for part, v in report.by_part.items() if v.get(kind))
         lines.append(f"{kind} {report.max_bytes(kind) / 2**20:.2f} MiB ({parts})")
+    lines += [f"{part} inside the step {nbytes / 2**20:.2f} MiB" for part, nbytes in report.in_step.items()]
     return "; ".join(lines)
 
 
@@ -127,6 +138,14 @@ def main(argv=None):
     ap.add_argument("--nvme-path", default=None, help="directory for --offload-optimizer nvme")
     ap.add_argument("--deepspeed-config", default=None, metavar="PATH.json",
                     help="read stage, offload, precision and optimizer from a DeepSpeed JSON config")
+    ap.add_argument("--qwz", action="store_true", help="ZeRO++ qwZ: stage-3 weight gathers in 8 bits")
+    ap.add_argument("--hpz", type=int, default=None, metavar="K",
+                    help="ZeRO++ hpZ: backward gathers inside nodes of K devices (the 8 devices as 8/K nodes x K)")
+    ap.add_argument("--qgz", action="store_true", help="ZeRO++ qgZ: gradients reduced in --qgz-bits, two hops")
+    ap.add_argument("--qgz-bits", type=int, default=4, choices=[4, 8])
+    ap.add_argument("--devices-per-node", type=int, default=None,
+                    help="nodes for qgZ's two hops without hpZ (default: --hpz, else one node)")
+    ap.add_argument("--zeropp", action="store_true", help="all three: --qwz --hpz 4 --qgz (stage 3 by default)")
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--d-model", type=int, default=128)
@@ -149,6 +168,11 @@ def main(argv=None):
 
     offload = ", ".join(f"{k} -> {getattr(config, k)}" for k in ("offload_optimizer", "offload_param")
                         if getattr(config, k)) or "no offload"
+    zpp = [name for name, on in (("qwZ", config.quantized_weights), (f"hpZ {config.hpz_partition_size}",
+                                                                     config.hpz_partition_size > 1),
+                                 (f"qgZ {config.quantized_gradients_bits}-bit", config.quantized_gradients)) if on]
+    if zpp and config.stage == 3:
+        offload += " | ZeRO++ " + ", ".join(zpp)
     n, gas = len(mesh.devices.flat), config.gradient_accumulation_steps
     print(f"GPT {cfg.n_params / 1e6:.2f}M params | {n} devices | ZeRO stage {config.stage} | {config.precision} | "
           f"{offload} | global batch {batch} = {n} devices x {gas} grad-accum x {batch // n // gas} micro-batch | "
@@ -177,8 +201,9 @@ def main(argv=None):
     eval_rng = np.random.default_rng(1234)
     held = np.mean([float(eval_loss(params, sample_batch(eval_rng, held_out, 32, args.seq))) for _ in range(4)])
     rate = tokens_per_step * (args.steps - 1) / elapsed if args.steps > 1 else float("nan")
+    step_ms = 1e3 * elapsed / (args.steps - 1) if args.steps > 1 else float("nan")
     print(f"loss {first_loss:.3f} -> {float(m['loss']):.3f} (held-out {held:.3f}, uniform {np.log(256):.3f}) | "
-          f"{rate:,.0f} tokens/s")
+          f"{rate:,.0f} tokens/s | {step_ms:.1f} ms/step")
     return float(held)
 
 

@@ -12,17 +12,30 @@ the gradients and params, and returns the whole updates::
 Gradient clipping from ``config.gradient_clipping`` uses DeepSpeed's coefficient. Precision,
 loss scaling and gradient accumulation belong to ``make_train_step``; this wrapper leaves
 dtypes as given.
+
+``offload_optimizer="cpu"`` (ZeRO-Offload): the state is stored in pinned host memory and the
+update is computed on the host
+(``compute_on("device_host")``): each device's partition of the gradients and params travels
+to its host, and the updates come back to device memory before the gather. An optimizer
+whose update cannot be traced for the host (it mixes host values with constants it makes on
+the device: optax.adafactor, lamb, clip_by_global_norm) is updated on the device instead, with
+a ``HostUpdateWarning``; its state still lives in host memory between steps. NVMe offload,
+ZenFlow and ``offload_ratio`` < 1 keep optimizer state beside the step: they are
+``make_train_step``'s (``zj.initialize``'s), and refused here.
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any, NamedTuple, Optional
 
 import jax
 import optax
 
+from zerojax._compat import compute_on_host, same_memory_space, to_device_memory
 from zerojax.config import ZeroConfig
+from zerojax.errors import ConfigError, HostUpdateWarning, IgnoredKeysWarning
 from zerojax.mesh import make_mesh
-from zerojax.plan import ZeroPlan
+from zerojax.plan import DEVICE, ZeroPlan
 from zerojax.precision import global_norm
 from zerojax.stages import collectives as C
 from zerojax.stages.update import clip_coefficient
@@ -36,6 +49,11 @@ def _constrain(tree, shardings):
     return jax.tree_util.tree_map(jax.lax.with_sharding_constraint, tree, shardings)
 
 
+def _place(tree, shardings):
+    # device_put, not a sharding constraint: it also moves leaves to their memory kind
+    return jax.tree_util.tree_map(jax.device_put, tree, shardings)
+
+
 def _check_tree(plan: ZeroPlan, tree, what: str):
     got = jax.tree_util.tree_structure(tree)
     if got != plan.treedef:
@@ -43,40 +61,117 @@ def _check_tree(plan: ZeroPlan, tree, what: str):
                          "given to init; pass grads/params with the same structure as at init.")
 
 
+def _check_offload(config: ZeroConfig) -> None:
+    """Refuse, by name, the offload settings that only make_train_step honours."""
+    fix = "use zj.make_train_step (or zj.initialize with a DeepSpeed config), which keeps that state itself"
+    if config.offload_optimizer == "nvme":
+        raise ConfigError(
+            'zero_optimizer: offload_optimizer="nvme" (zero_optimization.offload_optimizer.device) is not '
+            "supported here: NVMe offload keeps the optimizer state in files that the step reads and writes "
+            f'in sub-groups, outside the opt_state tree this wrapper returns. Fix: {fix}, or use '
+            'offload_optimizer="cpu" for host memory')
+    if config.zenflow:
+        raise ConfigError(
+            "zero_optimizer: zenflow (zero_optimization.zenflow) is not supported here: ZenFlow keeps its "
+            f"optimizer state and split update beside the step. Fix: {fix}, or drop the zenflow block")
+    if config.offload_optimizer is not None and config.offload_ratio < 1:
+        raise ConfigError(
+            f"zero_optimizer: offload_ratio={config.offload_ratio!r} (zero_optimization.offload_optimizer.ratio) "
+            "is not supported here: this wrapper offloads the whole optimizer state. "
+            f"Fix: use offload_ratio 1.0, or {fix}")
+    if config.offload_optimizer == "cpu" and not config.pin_memory:
+        warnings.warn(
+            "zero_optimizer ignores pin_memory=False (zero_optimization.offload_optimizer.pin_memory): the "
+            "state it returns from a jitted update is placed where the program's host values go, pinned host "
+            "memory (a program cannot return unpinned memory). Drop the key, or use zj.make_train_step, whose "
+            "step returns the state in unpinned host memory", IgnoredKeysWarning, stacklevel=3)
+    if config.offload_param is not None:
+        warnings.warn(
+            f"zero_optimizer ignores offload_param={config.offload_param!r} (zero_optimization.offload_param): "
+            "the params are the caller's, kept where the caller keeps them. Drop the key, or use "
+            "zj.make_train_step to offload stage-3 params", IgnoredKeysWarning, stacklevel=3)
+
+
 def zero_optimizer(tx: optax.GradientTransformation, *, mesh=None,
                    config: Optional[ZeroConfig] = None) -> optax.GradientTransformation:
     mesh = make_mesh() if mesh is None else mesh
     config = ZeroConfig(stage=1) if config is None else config
+    _check_offload(config)
+    offload = config.offload_optimizer == "cpu"
+    if offload:
+        config = config.replace(pin_memory=True)
 
     def plan_for(params) -> ZeroPlan:
         return ZeroPlan.create(params, mesh, config)
 
-    def to_update_layout(plan: ZeroPlan, tree):
-        # slice locally (no constraint on the caller's arrays), then view with logical shapes
-        return plan.to_update(C.split_tree(plan, tree, plan.opt_partitioned))
+    def split(plan: ZeroPlan, tree):
+        # each device's partition, sliced locally (no constraint on the caller's arrays), padded
+        return C.split_tree(plan, tree, plan.opt_partitioned)
 
-    def store(plan: ZeroPlan, inner, logical_shapes):
-        # stored padded, split like the master, so any jit boundary accepts it
-        return ZeroOptState(_constrain(plan.opt_to_storage(inner), plan.opt_state_shardings(logical_shapes)))
+    def homes(plan: ZeroPlan):
+        """Where each stored leaf of the inner state lives (offloaded: in host memory)."""
+        logical = jax.eval_shape(tx.init, plan.map(lambda lay: jax.ShapeDtypeStruct(lay.shape, lay.dtype)))
+        return plan.opt_state_shardings(logical)
+
+    def store(plan: ZeroPlan, stored):
+        # stored padded, split like the master, so any jit boundary accepts it; offloaded
+        # state goes to (stays in) host memory
+        return ZeroOptState((_place if offload else _constrain)(stored, homes(plan)))
+
+    def clip(plan: ZeroPlan, grads):
+        if not config.gradient_clipping:
+            return grads
+        coef = clip_coefficient(global_norm(grads), config.gradient_clipping)  # padding adds zeros
+        return jax.tree_util.tree_map(lambda g: g / coef, grads)
 
     def init_fn(params):
         plan = plan_for(params)
-        inner = tx.init(to_update_layout(plan, params))
-        return store(plan, inner, jax.eval_shape(lambda: inner))
+        return store(plan, plan.opt_to_storage(tx.init(plan.to_update(split(plan, params)))))
+
+    def device_update(plan: ZeroPlan, grads, inner, params):
+        """Partitioned grads/params and the inner state, all padded -> padded updates and state."""
+        new_updates, inner = tx.update(plan.to_update(grads), plan.opt_to_update(inner), plan.to_update(params))
+        return plan.to_storage(new_updates), plan.opt_to_storage(inner)
+
+    def host_update(plan: ZeroPlan):
+        def on_host(grads, inner, params):
+            updates, new = device_update(plan, grads, inner, params)
+            # values the optimizer makes from constants are typed as device values: home them
+            return updates, jax.tree_util.tree_map(same_memory_space, new, inner)
+        return compute_on_host(on_host)
+
+    def offloaded_update(plan: ZeroPlan, grads, state: ZeroOptState, params):
+        """The update on the host: partitions to host memory, updates back to device memory."""
+        to_host = plan.map(lambda lay, x: jax.device_put(x, plan.master_sharding(lay)), grads)
+        params_host = plan.map(lambda lay, x: jax.device_put(x, plan.master_sharding(lay)), params)
+        try:
+            updates, stored = host_update(plan)(to_host, state.inner, params_host)
+        except ValueError as e:  # raised while tracing for the host, before anything runs
+            warnings.warn(
+                f"zero_optimizer(offload_optimizer='cpu'): this optimizer's update cannot be traced for the host "
+                f"({e}); its state stays in host memory between steps and is updated on the device instead. "
+                "optax.adam/adamw/sgd/lion update on the host.", HostUpdateWarning, stacklevel=4)
+            updates, stored = device_update(plan, grads, jax.tree_util.tree_map(to_device_memory, state.inner),
+                                            params)
+            return updates, store(plan, stored)
+        updates = plan.map(lambda lay, x: jax.device_put(x, plan.master_sharding(lay).with_memory_kind(DEVICE)),
+                           updates)
+        return updates, store(plan, stored)
 
     def update_fn(updates, state: ZeroOptState, params=None):
         if params is None:
             raise ValueError("zero_optimizer.update needs params (the partition to update is cut from them)")
         plan = plan_for(params)
         _check_tree(plan, updates, "updates")
-        grads = to_update_layout(plan, updates)
-        if config.gradient_clipping:
-            coef = clip_coefficient(global_norm(grads), config.gradient_clipping)
-            grads = jax.tree_util.tree_map(lambda g: g / coef, grads)
-        master = to_update_layout(plan, params)
-        new_updates, inner = tx.update(grads, plan.opt_to_update(state.inner), master)
-        whole = C.gather_tree(plan, plan.to_storage(new_updates), plan.opt_partitioned)
-        return whole, store(plan, inner, jax.eval_shape(lambda: inner))
+        grads = clip(plan, split(plan, updates))
+        local_params = split(plan, params)
+        if offload:
+            new_updates, state = offloaded_update(plan, grads, state, local_params)
+        else:
+            new_updates, stored = device_update(plan, grads, state.inner, local_params)
+            state = store(plan, stored)
+        whole = C.gather_tree(plan, new_updates, plan.opt_partitioned)
+        return whole, state
 
     # jit (inlined when the caller is already tracing) so the logical, possibly uneven
     # update layout only ever exists inside a compiled program

@@ -1,0 +1,151 @@
+"""zj.zero_optimizer with offload_optimizer="cpu": state in host memory, update on the host,
+numbers equal to plain optax; the offload settings it cannot honour are refused by name."""
+import warnings
+
+import jax
+import optax
+import pytest
+
+import zerojax as zj
+from tests.helpers import OPTIMIZERS, batches, clip_grads, init_params, loss_fn, max_rel_err
+from zerojax.errors import ConfigError, HostUpdateWarning, IgnoredKeysWarning
+
+STEPS = 5
+
+
+def reference_updates(make_tx, params, data, clip=0.0):
+    """Plain single-device optax: the updates of every step and the final params."""
+    tx = make_tx()
+    state = tx.init(params)
+    out = []
+    for b in data:
+        g, _ = clip_grads(jax.grad(loss_fn)(params, b), clip)
+        u, state = tx.update(g, state, params)
+        out.append(u)
+        params = optax.apply_updates(params, u)
+    return out, params
+
+
+def run(tx, params, data, jitted: bool):
+    """The caller's loop around zero_optimizer: per-step updates, final params, final state."""
+    state = tx.init(params)
+
+    def step(p, s, b):
+        u, s = tx.update(jax.grad(loss_fn)(p, b), s, p)
+        return u, optax.apply_updates(p, u), s
+
+    step = jax.jit(step) if jitted else step
+    got = []
+    for b in data:
+        u, params, state = step(params, state, b)
+        got.append(u)
+    return got, params, state
+
+
+def kinds(state):
+    return {x.sharding.memory_kind for x in jax.tree_util.tree_leaves(state)}
+
+
+def mirrors(state):
+    return [x for x in jax.tree_util.tree_leaves(state) if x.ndim >= 1]
+
+
+@pytest.mark.parametrize("jitted", [True, False], ids=["jit", "eager"])
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("opt", ["adamw", "sgd_momentum", "lion"])
+def test_offloaded_updates_equal_optax(opt, stage, jitted):
+    params = init_params(jax.random.PRNGKey(0))
+    data = batches(STEPS)
+    want, want_params = reference_updates(OPTIMIZERS[opt], params, data)
+    tx = zj.zero_optimizer(OPTIMIZERS[opt](), config=zj.ZeroConfig(stage=stage, offload_optimizer="cpu"))
+    assert kinds(tx.init(params).inner) == {"pinned_host"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", HostUpdateWarning)  # these run on the host, no fallback
+        got, got_params, state = run(tx, params, data, jitted)
+    for i, (u, w) in enumerate(zip(got, want)):
+        assert max_rel_err(u, w) < 1e-6, (opt, stage, i)
+        assert kinds(u) == {"device"}, (opt, stage, i)  # the updates came back to the device
+    assert max_rel_err(got_params, want_params) < 1e-6
+    assert kinds(state.inner) == {"pinned_host"}
+    # still partitioned: every leaf that mirrors a param is split 8 ways
+    for x in mirrors(state.inner):
+        assert x.addressable_shards[0].data.size * 8 == x.size, (opt, x.shape)
+
+
+def test_unpinned_host_memory_is_warned_and_pinned_used():
+    """A jitted program cannot return unpinned host memory (the value would silently land in
+    device memory): pin_memory=False is warned by name and the state is pinned."""
+    params = init_params(jax.random.PRNGKey(0))
+    data = batches(2)
+    want, _ = reference_updates(OPTIMIZERS["adamw"], params, data)
+    config = zj.ZeroConfig(stage=1, offload_optimizer="cpu", pin_memory=False)
+    with pytest.warns(IgnoredKeysWarning, match="pin_memory=False"):
+        tx = zj.zero_optimizer(OPTIMIZERS["adamw"](), config=config)
+    got, _, state = run(tx, params, data, True)
+    assert kinds(state.inner) == {"pinned_host"}
+    assert max_rel_err(got[-1], want[-1]) < 1e-6
+
+
+def test_without_offload_state_stays_on_device():
+    """Control for the memory-kind checks above."""
+    params = init_params(jax.random.PRNGKey(0))
+    tx = zj.zero_optimizer(OPTIMIZERS["adamw"](), config=zj.ZeroConfig(stage=1))
+    _, _, state = run(tx, params, batches(1), True)
+    assert kinds(state.inner) == {"device"}
+
+
+def host_marks(tx, params, data):
+    state = tx.init(params)
+    g = jax.grad(loss_fn)(params, data[0])
+    return jax.jit(tx.update).lower(g, state, params).as_text().count('_xla_compute_type = "host"')
+
+
+def test_update_is_computed_on_the_host():
+    params = init_params(jax.random.PRNGKey(0))
+    data = batches(1)
+    offloaded = zj.zero_optimizer(optax.adamw(1e-2), config=zj.ZeroConfig(stage=2, offload_optimizer="cpu"))
+    on_device = zj.zero_optimizer(optax.adamw(1e-2), config=zj.ZeroConfig(stage=2))
+    assert host_marks(offloaded, params, data) >= 1
+    assert host_marks(on_device, params, data) == 0
+
+
+def test_clipping_with_offload():
+    params = init_params(jax.random.PRNGKey(0))
+    data = batches(3)
+    want, _ = reference_updates(OPTIMIZERS["adamw"], params, data, clip=0.05)
+    unclipped, _ = reference_updates(OPTIMIZERS["adamw"], params, data)
+    assert max_rel_err(unclipped[1], want[1]) > 1e-3  # the clip bites
+    config = zj.ZeroConfig(stage=2, offload_optimizer="cpu", gradient_clipping=0.05)
+    got, _, _ = run(zj.zero_optimizer(OPTIMIZERS["adamw"](), config=config), params, data, True)
+    for u, w in zip(got, want):
+        assert max_rel_err(u, w) < 1e-6
+
+
+def test_optimizer_that_cannot_run_on_the_host_is_updated_on_the_device():
+    """adafactor makes device constants inside its update: a warning by name, the same numbers,
+    and the state still in host memory between steps."""
+    params = init_params(jax.random.PRNGKey(0))
+    data = batches(3)
+    _, want = reference_updates(OPTIMIZERS["adafactor"], params, data)
+    tx = zj.zero_optimizer(OPTIMIZERS["adafactor"](), config=zj.ZeroConfig(stage=1, offload_optimizer="cpu"))
+    with pytest.warns(HostUpdateWarning, match="offload_optimizer='cpu'"):
+        _, got, state = run(tx, params, data, True)
+    # its factored statistics sum over the 8 partitions in another order: compare the params
+    assert max_rel_err(got, want) < 1e-6
+    assert kinds(state.inner) == {"pinned_host"}
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(offload_optimizer="nvme", nvme_path="/tmp"), r'offload_optimizer="nvme".*make_train_step.*zj\.initialize'),
+    (dict(offload_optimizer="cpu", offload_ratio=0.5, stage=3), r"offload_ratio=0\.5.*make_train_step"),
+])
+def test_refused_offload_settings(kwargs, match):
+    config = zj.ZeroConfig(**{"stage": 2, **kwargs})
+    with pytest.raises(ConfigError, match=match):
+        zj.zero_optimizer(optax.adamw(1e-2), config=config)
+
+
+def test_offload_param_is_warned():
+    config = zj.ZeroConfig(stage=3, offload_optimizer="cpu", offload_param="cpu")
+    with pytest.warns(IgnoredKeysWarning, match="offload_param"):
+        zj.zero_optimizer(optax.adamw(1e-2), config=config)

@@ -143,7 +143,10 @@ def test_scan_model_gathers_inside_the_layer_loop():
 
     comps, _ = _parse(text)
     loops = [c for c in comps.values() for mult, _ in c.calls if mult == cfg.n_layer]
-    in_loops = sum(comps[name].own.get("all-gather", [0])[0] for c in comps.values()
+    def gathers(comp):  # own collectives are keyed by (kind, span)
+        return sum(v[0] for k, v in comp.own.items() if (k[0] if isinstance(k, tuple) else k) == "all-gather")
+
+    in_loops = sum(gathers(comps[name]) for c in comps.values()
                    for mult, callees in c.calls if mult == cfg.n_layer for name in callees if name in comps)
     assert loops and in_loops >= 8  # the per-layer slices of the stacked weights
 

@@ -121,7 +121,7 @@ class DynamicScale:
 
 
 def mixed_reference_run(params, tx, data, precision, *, n=8, gas=1, stage=0, scale=1.0, clip=0.0,
-                        scaler=None, offload=False) -> Reference:
+                        scaler=None, offload=False, master_dtype=jnp.float32, opt_dtype=jnp.float32) -> Reference:
     """Mixed-precision data parallelism written out plainly, on one device.
 
     An fp32 master, cast to the compute dtype for every forward; each device's gradient of its
@@ -133,13 +133,20 @@ def mixed_reference_run(params, tx, data, precision, *, n=8, gas=1, stage=0, sca
     the host, which receives the (still scaled) gradient rounded to the compute dtype; the norm
     and the clip coefficient come from the fp32 gradient before that. ``scaler``: a
     :class:`DynamicScale` (an overflow skips the update); otherwise the scale is static and an
-    overflow is an error.
+    overflow is an error. ``master_dtype`` / ``opt_dtype`` bfloat16: the master (the params, then)
+    and the optimizer's float arrays are stored in bf16, widened to fp32 for every update and
+    rounded to nearest after it.
     """
     cdt = jnp.dtype({"bf16": jnp.bfloat16, "fp16": jnp.float16, "fp32": jnp.float32}[precision])
     f32 = jnp.float32
-    master = jax.tree_util.tree_map(lambda x: jnp.asarray(x, f32), params)
+    master = jax.tree_util.tree_map(lambda x: jnp.asarray(x, f32).astype(master_dtype), params)
     treedef = jax.tree_util.tree_structure(master)
-    opt_state = tx.init(master)
+
+    def arrays_to(tree, dtype):
+        return jax.tree_util.tree_map(
+            lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) and x.ndim else x, tree)
+
+    opt_state = arrays_to(tx.init(arrays_to(master, f32)), opt_dtype)
 
     @jax.jit
     def device_grads(master, micro, scale):
@@ -153,8 +160,9 @@ def mixed_reference_run(params, tx, data, precision, *, n=8, gas=1, stage=0, sca
 
     @jax.jit
     def update(master, opt_state, g):
-        u, opt_state = tx.update(g, opt_state, master)
-        return optax.apply_updates(master, u), opt_state
+        wide = arrays_to(master, f32)
+        u, opt_state = tx.update(g, arrays_to(opt_state, f32), wide)
+        return arrays_to(optax.apply_updates(wide, u), master_dtype), arrays_to(opt_state, opt_dtype)
 
     out = Reference(None, [], [], [], [])
     for batch in data:

@@ -288,8 +288,9 @@ class ZeroPlan:
 
     @property
     def has_master(self) -> bool:
-        """A separate fp32 master copy exists only when params are kept in 16 bits."""
-        return self.config.precision != "fp32"
+        """A separate fp32 master copy exists only when params are kept in 16 bits and are not
+        their own master (``ZeroConfig.master_weights_dtype="bfloat16"``: the bf16 params are)."""
+        return self.config.precision != "fp32" and self.config.master_weights_dtype is None
 
     # whether each kind of state is partitioned, per leaf
     def opt_partitioned(self, lay: LeafLayout) -> bool:

@@ -11,6 +11,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zerojax.config import ZeroConfig
+from zerojax.low_precision import opt_for_storage
 from zerojax.mesh import make_mesh
 from zerojax.offload.partial import check_split
 from zerojax.plan import ZeroPlan
@@ -22,9 +23,10 @@ class TrainState:
     """Everything a ZeRO step reads and writes.
 
     params:     compute params (precision's dtype), split over the data axis in stage 3
-    master:     fp32 master copy in the update layout (split from stage 1); None under fp32,
-                where the params are the master
-    opt_state:  the optax state of ``tx``, built on the master's update layout
+    master:     fp32 master copy in the update layout (split from stage 1); None under fp32
+                and with ``master_weights_dtype="bfloat16"``, where the params are the master
+    opt_state:  the optax state of ``tx``, built on the master's update layout (the leaves
+                mirroring a param in bf16 with ``optimizer_state_dtype="bfloat16"``)
     loss_scale: the dynamic loss scaler (fp16), carried but unused otherwise
     rng:        base PRNG key; each micro-batch on each device folds in its indices
 
@@ -81,8 +83,10 @@ def _build_fn(plan: ZeroPlan, tx):
         if plan.optimizer_state_outside:  # the step creates the state (files, ZenFlow's buffers)
             out = (params, None, None)
         else:
-            master = plan.map(lambda lay, x: x.astype(jnp.float32), full)
-            opt_state = plan.opt_to_storage(tx.init(master))
+            # the optimizer starts from the master's value: the bf16 params when they are the master
+            own = plan.config.master_weights_dtype is not None
+            master = plan.map(lambda lay, x: (x.astype(cdt) if own else x).astype(jnp.float32), full)
+            opt_state = plan.opt_to_storage(opt_for_storage(plan, tx.init(master)))
             out = (params, plan.to_storage(master) if plan.state_has_master else None, opt_state)
         # fresh buffers: the caller's arrays must survive the steps, which donate the state
         return jax.tree_util.tree_map(lambda x: jnp.array(x, copy=True), out)

@@ -70,6 +70,12 @@ def make_train_step(loss_fn: Callable, state: TrainState, *, has_aux: bool = Fal
         if path == "zenflow":
             return ZenFlowStep(loss_fn, state, has_aux, check_errors=check_errors)
         return HostLoopStep(loss_fn, state, has_aux, store="nvme", check_errors=check_errors)
+    low = state.plan.config.master_weights_dtype or state.plan.config.optimizer_state_dtype
+    if fused_adam and low:
+        raise StepOptionError(f"fused_adam=True: the fused kernel updates an fp32 master and fp32 moments, but this "
+                              f"state keeps them in {low} (ZeroConfig.master_weights_dtype / optimizer_state_dtype). "
+                              "Fix: drop fused_adam (optax's update computes in fp32 and stores bf16), or keep fp32 "
+                              "states")
     # opt-in until the kernel's Triton lowering is measured inside the step on a GPU
     if fused_adam and not fused_adam_ok(state.opt_state):
         raise StepOptionError("fused_adam=True needs tx=optax.inject_hyperparams(optax.adamw)(...) with no mask and "

@@ -87,6 +87,8 @@ KEY_VALUES = {
     "fp16.consecutive_hysteresis": (True, True),
     "fp16.min_loss_scale": (4, 4.0),
     "bf16.check_grad_overflow": (False, False),
+    "bf16.bf16_master_weights_and_grads": (True, "bfloat16"),
+    "bf16.bf16_optimizer_states": (True, "bfloat16"),
     "gradient_accumulation_steps": (2, 2),
     "gradient_clipping": (0.5, 0.5),
     "train_micro_batch_size_per_gpu": (4, 4),
@@ -100,6 +102,8 @@ def _config_with(path: str, value) -> dict:
         cfg["fp16"] = {"enabled": True}
     if path.startswith("bf16."):
         cfg["bf16"] = {"enabled": True}
+    if path == "bf16.bf16_optimizer_states":  # DeepSpeed requires the bf16 master with it
+        cfg["bf16"]["bf16_master_weights_and_grads"] = True
     if ".offload_" in path:
         block = path.split(".")[1]
         cfg["zero_optimization"][block] = {"device": "cpu"}

@@ -8,7 +8,8 @@ setting.
     zj.checkpoint.consolidate("/ckpt", "model.safetensors", dtype="bfloat16")
 
 What is stored. Every parameter is stored as its fp32 value (the master copy when there is one)
-and every optimizer leaf that mirrors a parameter (Adam's moments and the like) likewise, in the
+and every optimizer leaf that mirrors a parameter (Adam's moments and the like) likewise (bf16
+model states are widened on save and rounded to the target's dtypes on restore), in the
 user's logical shape except for one thing: a leaf that the saving mesh splits over the data axis
 is written split, with its split dimension zero-padded to a multiple of the data-axis size (jax
 cannot lay out an array whose dimension does not divide the devices, so the unpadded leaf could
@@ -127,6 +128,14 @@ def _opt_entries(plan: ZeroPlan, opt_state) -> list[tuple[str, Any, LeafLayout |
     return [(path_str(p), x, lay) for (p, x), lay in zip(flat, lays)]
 
 
+def _disk_dtype(x, lay: LeafLayout | None) -> str:
+    """An optimizer leaf's dtype on disk: float32 for a float leaf mirroring a param (bf16
+    moments are widened on save and rounded again on restore into a bf16-state target)."""
+    if lay is not None and jnp.issubdtype(x.dtype, jnp.floating):
+        return "float32"
+    return np.dtype(x.dtype).name
+
+
 def _scaler_dict(loss_scale) -> dict:
     return dict(loss_scale._asdict())
 
@@ -155,6 +164,8 @@ def logical_tree(state: TrainState):
                 x = jax.device_put(x, _device(home))
             if lay is not None:
                 logical = plan.unpad(x, lay)
+                if jnp.issubdtype(logical.dtype, jnp.floating):  # fp32 logical values, as the params
+                    logical = logical.astype(jnp.float32)
                 x = plan.pad(logical, lay) if _disk_split(plan, lay) else logical
             else:
                 logical = x
@@ -180,7 +191,7 @@ def logical_tree(state: TrainState):
                        "precision": plan.config.precision},
         "params": {lay.path: {"shape": list(lay.shape), "dtype": np.dtype(lay.dtype).name} for lay in plan.leaves},
         "opt_state": {path: {"shape": list(lay.shape if lay is not None else x.shape),
-                             "dtype": np.dtype(x.dtype).name, "mirrors": None if lay is None else lay.path}
+                             "dtype": _disk_dtype(x, lay), "mirrors": None if lay is None else lay.path}
                       for path, x, lay in opt},
         "checksums": {k: int(v) for k, v in jax.device_get(sums).items()},
     }

@@ -14,7 +14,7 @@ from typing import Optional
 
 from zerojax.config.keys import (BF16, DEPRECATED_ZERO, FP16, OFFLOAD_OPTIMIZER, OFFLOAD_PARAM, OPTIMIZERS,
                                  REFUSED_OPTIMIZERS, TOP, ZENFLOW, ZERO, ZERO_BLOCKS, Key)
-from zerojax.config.schema import (FIELDS, Invalid, broken_rules, did_you_mean, invalid_message,
+from zerojax.config.schema import (FIELDS, LOW_PRECISION, Invalid, broken_rules, did_you_mean, invalid_message,
                                    precision_message, rule_message, typo_of)
 from zerojax.config.verdicts import Verdicts
 
@@ -290,14 +290,25 @@ def precision_fields(cfg: dict, v: Verdicts) -> tuple[dict, dict]:
         read[name] = fields_of(read_block(cfg.get(name, {}), table, name, v), name, v)
     (f16, p16, _), (b16, pb, _) = read["fp16"], read["bf16"]
     on16, onb = f16.pop("precision"), b16.pop("precision")
+    # the bf16 model-state switches are kept whatever the precision: their rules say when they apply
+    low = {k: b16.pop(k) for k in LOW_PRECISION if k in b16}
+    low_paths = {k: pb[k] for k in low}
     if on16 and onb:
         v.refuse("fp16.enabled", precision_message({"fp16": "fp16.enabled", "bf16": "bf16.enabled"}))
         return {"precision": "fp32"}, {"precision": "fp16.enabled"}
     if on16:
-        return dict(f16, precision="fp16"), dict(p16, precision="fp16.enabled")
+        return dict(f16, precision="fp16", **low), dict(p16, precision="fp16.enabled", **low_paths)
     if onb:
-        return dict(b16, precision="bf16"), dict(pb, precision="bf16.enabled")
-    return {"precision": "fp32"}, {"precision": "fp16.enabled"}
+        return dict(b16, precision="bf16", **low), dict(pb, precision="bf16.enabled", **low_paths)
+    return dict(low, precision="fp32"), dict(low_paths, precision="bf16.enabled")
+
+
+def low_precision_rules(fields: dict, paths: dict, v: Verdicts) -> None:
+    """The rules of the bf16 model-state switches, which read fields of other blocks (the stage,
+    the offload device, the precision): refused with the DeepSpeed key paths."""
+    for rule in broken_rules(fields):
+        if rule.field in LOW_PRECISION and rule.on_deepspeed == "error":
+            v.refuse(paths.get(rule.field, rule.field), rule_message(rule, fields, paths))
 
 
 # --------------------------------------------------------------------------- optimizer

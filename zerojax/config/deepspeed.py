@@ -43,8 +43,8 @@ import jax
 from zerojax.config import schedules
 from zerojax.config.auto import Context, args_value, fill_auto, fillable
 from zerojax.config.auto import TrainingArgs as TrainingArgs
-from zerojax.config.checks import (precision_fields, read_block, read_optimizer, read_top, upgrade_deprecated,
-                                   zero_fields)
+from zerojax.config.checks import (low_precision_rules, precision_fields, read_block, read_optimizer, read_top,
+                                   upgrade_deprecated, zero_fields)
 from zerojax.config.keys import BF16, FP16, OFFLOAD_OPTIMIZER, OFFLOAD_PARAM, TOP, ZERO
 from zerojax.config.optimizers import optimizer_from_config as optimizer_from_config
 from zerojax.config.verdicts import Verdicts
@@ -167,8 +167,10 @@ def read_deepspeed(path_or_dict, training_args=None, world_size: Optional[int] =
     for path, message in missing:
         v.refuse(path, message)
     _leftover_auto(cfg, "", v)
-    fields, _ = zero_fields(cfg.get("zero_optimization", {}), v)
-    fields.update(precision_fields(cfg, v)[0])
+    fields, paths = zero_fields(cfg.get("zero_optimization", {}), v)
+    precision, precision_paths = precision_fields(cfg, v)
+    fields.update(precision)
+    low_precision_rules(fields, {**paths, **precision_paths}, v)
     top = read_block({k: cfg[k] for k in ("gradient_clipping", *BATCH_KEYS) if k in cfg}, TOP, "", v)
     fields["gradient_clipping"] = top.get("gradient_clipping", 1.0)
     optimizer = read_optimizer(cfg["optimizer"], v) if cfg.get("optimizer") is not None else None

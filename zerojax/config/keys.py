@@ -174,8 +174,6 @@ FP16: dict = {
 BF16: dict = {
     **_fields_under("bf16"),
     "immediate_grad_update": _ignored(False, boolean, "zerojax reduces the gradients inside the step"),
-    "bf16_master_weights_and_grads": _ignored(False, boolean, "zerojax keeps fp32 master weights and gradients"),
-    "bf16_optimizer_states": _ignored(False, boolean, "zerojax keeps the optimizer state in fp32"),
 }
 
 # --------------------------------------------------------------------------- optimizer

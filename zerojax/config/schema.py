@@ -25,8 +25,8 @@ from typing import Any, Callable, Mapping, Optional
 from zerojax.errors import ConfigError, IgnoredKeysWarning
 from zerojax.precision import PRECISIONS, LossScaler
 
-__all__ = ["FIELDS", "NONTRAINABLE", "RULES", "ZEROPP", "FieldSpec", "Invalid", "Rule", "invalid_message", "subject",
-           "validate"]
+__all__ = ["FIELDS", "LOW_PRECISION", "NONTRAINABLE", "RULES", "ZEROPP", "FieldSpec", "Invalid", "Rule",
+           "invalid_message", "subject", "validate"]
 
 
 # --------------------------------------------------------------------------- value checks
@@ -91,6 +91,20 @@ def mapping(v):
 
 def optional(check):
     return lambda v: None if v is None else check(v)
+
+
+def state_dtype(v):
+    """A model-state dtype: None (or "float32") keeps fp32; "bfloat16" stores bf16."""
+    if v is None or v == "float32":
+        return None
+    if v != "bfloat16":
+        raise Invalid("None, 'float32' or 'bfloat16'")
+    return v
+
+
+def bf16_flag(v):
+    """A DeepSpeed bf16 switch read into a state dtype: true -> "bfloat16", false -> None."""
+    return "bfloat16" if boolean(v) else None
 
 
 def device(v):
@@ -207,6 +221,16 @@ FIELDS: dict[str, FieldSpec] = {f.name: f for f in (
     FieldSpec("min_loss_scale", _LS["min_loss_scale"], number(0, lo_open=True), "use DeepSpeed's 1",
               ("fp16.min_loss_scale",)),
     FieldSpec("check_grad_overflow", True, boolean, "use true or false", ("bf16.check_grad_overflow",)),
+    # low-precision model states (DeepSpeed 0.18+; zerojax.low_precision)
+    FieldSpec("master_weights_dtype", None, state_dtype, 'use None (an fp32 master copy) or "bfloat16" (the bf16 '
+              "params are their own master)", ("bf16.bf16_master_weights_and_grads",), key_check=bf16_flag,
+              deepspeed_key_default=False,
+              doc="true -> 'bfloat16': no fp32 master; the update computes in fp32 and stores the bf16 params"),
+    FieldSpec("optimizer_state_dtype", None, state_dtype, 'use None (fp32) or "bfloat16" (the moments in bf16)',
+              ("bf16.bf16_optimizer_states",), key_check=bf16_flag, deepspeed_key_default=False,
+              doc="true -> 'bfloat16': the optimizer leaves mirroring a param stored in bf16, updated in fp32"),
+    FieldSpec("stochastic_rounding", False, boolean, "use true or false",
+              doc="no DeepSpeed key: the bf16 master update rounds stochastically (unbiased) instead of to nearest"),
     # the step
     FieldSpec("gradient_accumulation_steps", 1, integer(1), "set it to the number of micro-batches per optimizer step",
               ("gradient_accumulation_steps",)),
@@ -302,6 +326,38 @@ def _stage3_tuning(field: str, on_zeroconfig: str = "allow") -> Rule:
 
 
 ZEROPP = ("quantized_weights", "hpz_partition_size", "quantized_gradients")
+LOW_PRECISION = ("master_weights_dtype", "optimizer_state_dtype", "stochastic_rounding")
+
+
+def _needs_bf16(field: str) -> Rule:
+    return Rule(field, ("precision",), lambda v: v[field] is not None and v["precision"] != "bf16",
+                lambda v, n: f"needs bf16 mixed precision ({n('precision')} gives {v['precision']!r}): only bf16 "
+                             "model states are kept in 16 bits this way", 'set precision "bf16" (bf16.enabled true), '
+                             "or remove it")
+
+
+LOW_PRECISION_RULES = (
+    Rule("master_weights_dtype", ("stage",), lambda v: v["master_weights_dtype"] is not None and v["stage"] == 0,
+         lambda v, n: f"needs ZeRO stage 1, 2 or 3 ({n('stage')} is 0), as DeepSpeed's "
+                      "bf16_master_weights_and_grads does", "set stage 1 or higher, or remove it"),
+    _needs_bf16("master_weights_dtype"),
+    _needs_bf16("optimizer_state_dtype"),
+    Rule("optimizer_state_dtype", ("master_weights_dtype",),
+         lambda v: v["optimizer_state_dtype"] is not None and v["master_weights_dtype"] is None,
+         lambda v, n: f"needs bf16 master weights ({n('master_weights_dtype')} is off): bf16 optimizer states "
+                      "require bf16_master_weights_and_grads, as in DeepSpeed",
+         'also set master_weights_dtype "bfloat16" (bf16.bf16_master_weights_and_grads true), or remove it'),
+    Rule("master_weights_dtype", ("offload_optimizer", "zenflow"),
+         lambda v: v["master_weights_dtype"] is not None and (v["offload_optimizer"] == "nvme" or bool(v["zenflow"])),
+         lambda v, n: "is not available with " + (f"{n('offload_optimizer')} 'nvme'" if v["offload_optimizer"] ==
+                                                   "nvme" else n("zenflow")) +
+                      ": that path keeps an fp32 master and fp32 moments of its own",
+         'use offload_optimizer "cpu" (its host state is kept in bf16 too) or no offload, or remove it'),
+    Rule("stochastic_rounding", ("master_weights_dtype",),
+         lambda v: v["stochastic_rounding"] and v["master_weights_dtype"] is None,
+         lambda v, n: f"has nothing to round: {n('master_weights_dtype')} is off, so the update is stored in the "
+                      "fp32 master", 'set master_weights_dtype "bfloat16", or remove it'),
+)
 NONTRAINABLE = ("zerojax has no frozen leaves to store quantized (every leaf of the params tree gets a gradient "
                 "and an optimizer update), so every weight is stored at full width")
 
@@ -331,6 +387,7 @@ RULES: tuple = (
                                   "max_reuse_distance")),
     # ZeRO++ below stage 3: DeepSpeed reads the keys and ignores them; so does zerojax, warning
     *(_stage3_tuning(f, "warn") for f in ZEROPP),
+    *LOW_PRECISION_RULES,
     Rule("quantized_nontrainable_weights", (), lambda v: v["quantized_nontrainable_weights"],
          lambda v, n: f"is not honoured: {NONTRAINABLE}", "remove it; quantized_weights quantizes the weights' "
          "gathers", on_zeroconfig="warn"),

@@ -39,6 +39,10 @@ class ZeroConfig:
     min_loss_scale: float = _D["min_loss_scale"]
     # bf16: skip steps whose gradients hold inf/nan
     check_grad_overflow: bool = _D["check_grad_overflow"]
+    # low-precision model states (DeepSpeed's bf16_master_weights_and_grads / bf16_optimizer_states)
+    master_weights_dtype: Optional[str] = _D["master_weights_dtype"]  # None: fp32 master | "bfloat16": params are it
+    optimizer_state_dtype: Optional[str] = _D["optimizer_state_dtype"]  # None: fp32 | "bfloat16": moments in bf16
+    stochastic_rounding: bool = _D["stochastic_rounding"]  # the bf16 master update rounds stochastically
     # --- the step -------------------------------------------------------------------
     gradient_accumulation_steps: int = _D["gradient_accumulation_steps"]
     gradient_clipping: float = _D["gradient_clipping"]  # 0 disables (DeepSpeed's default is 1.0)

@@ -20,12 +20,14 @@ __all__ = ["host_apply_fn"]
 
 def host_apply_fn(plan: ZeroPlan, tx):
     """The optimizer update as it runs on the host (``compute_on``): compute-dtype, loss-scaled
-    gradients and the fp32 master/optimizer state in -> compute-dtype params, master, state out."""
+    gradients and the fp32 master/optimizer state in -> compute-dtype params, master, state out.
+    With low-precision states the host keeps them in bf16 too (the bf16 params as the master,
+    bf16 moments) and computes in fp32; ``key`` drives stochastic rounding."""
     f32 = jnp.float32
 
-    def host_apply(grads, master, opt_state, scale, coef, skip):
+    def host_apply(grads, master, opt_state, scale, coef, skip, key=None):
         grads = jax.tree_util.tree_map(lambda g: g.astype(f32) / scale / coef, grads)
-        new_master, new_opt = optax_update(plan, tx, master, grads, opt_state)
+        new_master, new_opt = optax_update(plan, tx, master, grads, opt_state, key)
         keep = functools.partial(jax.tree_util.tree_map, lambda o, n: jnp.where(skip, o, same_memory_space(n, o)))
         new_master, new_opt = keep(master, new_master), keep(opt_state, new_opt)
         new_params = jax.tree_util.tree_map(lambda x: x.astype(plan.compute_dtype), new_master)

@@ -24,6 +24,7 @@ from zerojax._compat import compute_on_host
 from zerojax.contract import METRIC_KEYS, NON_FINITE, OK, SCALE_AT_MIN, StepBase
 from zerojax.errors import HostUpdateWarning
 from zerojax.kernels.fused_update import fused_adamw_update
+from zerojax.low_precision import update_key
 from zerojax.offload.host_update import host_apply_fn
 from zerojax.offload.partial import check_split
 from zerojax.plan import DEVICE, ZeroPlan
@@ -45,7 +46,7 @@ def _update_fn(loss_fn: Callable, plan: ZeroPlan, tx, has_aux: bool, fused_adam:
 
     host_apply = compute_on_host(host_apply_fn(plan, tx)) if plan.host_update else None
 
-    def on_host(state, scaled, grads, scale, coef, skip):
+    def on_host(state, scaled, grads, scale, coef, skip, key):
         # ZeRO-Offload: the (still loss-scaled) gradients travel to the host in the compute
         # dtype, the host updates the fp32 master and moments and sends back compute-dtype
         # params, which the device then gathers (stages 1–2). With a split state only the
@@ -53,31 +54,31 @@ def _update_fn(loss_fn: Callable, plan: ZeroPlan, tx, has_aux: bool, fused_adam:
         to_host = plan.map(lambda lay, g: jax.device_put(g.astype(plan.compute_dtype), plan.master_sharding(lay))
                            if plan.opt_on_host(lay) else None, scaled)
         master = master_view(plan, state)
-        if not plan.has_master:  # fp32: the device's params are the master
+        if not plan.has_master:  # fp32 or a bf16 master: the device's params are the master
             master = plan.map(lambda lay, x: jax.device_put(x, plan.master_sharding(lay)), master)
         host_master = plan.share(master, True) if split else master
         host_opt = plan.opt_share(state.opt_state, True) if split else state.opt_state
-        new_params, new_master, opt_state = host_apply(to_host, host_master, host_opt, scale, coef, skip)
+        new_params, new_master, opt_state = host_apply(to_host, host_master, host_opt, scale, coef, skip, key)
         new_params = plan.map(lambda lay, x: None if x is None else jax.device_put(
             x, plan.master_sharding(lay).with_memory_kind(DEVICE)), new_params)
         if split:
-            dev_master, dev_opt = device_side(state, master, grads, coef, skip)
+            dev_master, dev_opt = device_side(state, master, grads, coef, skip, key)
             new_params = plan.merge(new_params, dev_master)
             new_master = plan.merge(new_master, dev_master) if plan.has_master else None
             opt_state = plan.opt_merge(state.opt_state, opt_state, dev_opt)
         return params_from_master(plan, new_params), new_master, opt_state
 
-    def device_side(state, master, grads, coef, skip):
+    def device_side(state, master, grads, coef, skip, key):
         # the device side of a split optimizer state: its master and moments never leave
         # device memory; the leaves no param owns (counts) are read from their home on the host
         master = plan.share(master, False)
         opt_state = plan.fetch(plan.opt_share(state.opt_state, False), homes.opt_state)
         grads = plan.map(lambda lay, g: None if plan.opt_on_host(lay) else g / coef, grads)
-        new = optax_update(plan, tx, master, grads, opt_state)
+        new = optax_update(plan, tx, master, grads, opt_state, key)
         return jax.tree_util.tree_map(lambda o, n: jnp.where(skip, o, n), (master, opt_state), new)
 
 
-    def on_device(state, grads, skip):
+    def on_device(state, grads, skip, key):
         # offloaded state is fetched from host memory for the update and put back after it
         state = state.replace(params=plan.fetch(state.params, homes.params),
                               master=plan.fetch(state.master, homes.master),
@@ -88,7 +89,7 @@ def _update_fn(loss_fn: Callable, plan: ZeroPlan, tx, has_aux: bool, fused_adam:
                 params_c, master, opt_state = fused_adamw_update(plan, tx, master_view(plan, state),
                                                                  state.opt_state, grads, fused_block)
                 return params_from_master(plan, params_c), (master if plan.has_master else None), opt_state
-            master, opt_state = optax_update(plan, tx, master_view(plan, state), grads, state.opt_state)
+            master, opt_state = optax_update(plan, tx, master_view(plan, state), grads, state.opt_state, key)
             return params_from_master(plan, master), (master if plan.has_master else None), opt_state
 
         # a select rather than lax.cond: it fuses into the update (on the CPU lax.cond copies
@@ -100,6 +101,7 @@ def _update_fn(loss_fn: Callable, plan: ZeroPlan, tx, has_aux: bool, fused_adam:
     def train_step(state: TrainState, batch):
         scale = state.loss_scale.scale if fp16 else jnp.float32(1.0)
         rng = jax.random.fold_in(state.rng, state.step)
+        key = update_key(rng)  # stochastic rounding of a bf16 master
         # offloaded stage-3 params stay in host memory: each shard is brought to the device
         # just before its gather, layer by layer; the rest are fetched now
         state = state.replace(params=plan.map(
@@ -116,7 +118,7 @@ def _update_fn(loss_fn: Callable, plan: ZeroPlan, tx, has_aux: bool, fused_adam:
         done = None
         if host_apply is not None:
             try:
-                done = on_host(state, scaled, grads, scale, coef, skip)
+                done = on_host(state, scaled, grads, scale, coef, skip, key)
             except ValueError as e:  # raised while tracing, before anything runs
                 # whatever the cause: the device path below traces the same tx.update, so an
                 # error of the optimizer's own is raised there again, not lost
@@ -126,7 +128,7 @@ def _update_fn(loss_fn: Callable, plan: ZeroPlan, tx, has_aux: bool, fused_adam:
                     "optax.adam/adamw/sgd/lion (and the DeepSpeed Adam/AdamW configs) update on the host.",
                     HostUpdateWarning, stacklevel=2)
         if done is None:
-            done = on_device(state, jax.tree_util.tree_map(lambda g: g / coef, grads), skip)
+            done = on_device(state, jax.tree_util.tree_map(lambda g: g / coef, grads), skip, key)
         params, master, opt_state = done
         params = plan.put_back(params, homes.params)
         loss_scale = scaler.update(state.loss_scale, ~finite) if fp16 else state.loss_scale

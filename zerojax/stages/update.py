@@ -8,9 +8,11 @@ learning-rate read-out live here too.
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import optax
 
+from zerojax.low_precision import opt_for_storage, opt_for_update, round_master
 from zerojax.plan import ZeroPlan
 from zerojax.stages import collectives as C
 
@@ -59,9 +61,18 @@ def clip_coefficient(norm, clip: float):
     return jnp.maximum(jnp.float32(1.0), (norm + 1e-6) / clip)
 
 
-def optax_update(plan: ZeroPlan, tx, master, grads, opt_state):
+def optax_update(plan: ZeroPlan, tx, master, grads, opt_state, key=None):
     """``tx`` on the user's logical shapes (padding stripped, split over the data axis) from
-    partitioned storage and back: ``(master, opt_state)`` updated, in storage layout."""
+    partitioned storage and back: ``(master, opt_state)`` updated, in storage layout.
+
+    Low-precision states (:mod:`zerojax.low_precision`): a bf16 master and bf16 moments are
+    widened to fp32 for the update, which computes in fp32; the new master is rounded back to
+    bf16 (stochastically with ``stochastic_rounding``, from ``key``), the moments to nearest."""
     current = plan.to_update(master)
-    updates, opt_state = tx.update(plan.to_update(grads), plan.opt_to_update(opt_state), current)
-    return plan.to_storage(optax.apply_updates(current, updates)), plan.opt_to_storage(opt_state)
+    grads = plan.to_update(grads)
+    if plan.config.master_weights_dtype is not None:
+        current = jax.tree_util.tree_map(lambda x: x.astype(jnp.float32), current)
+        grads = jax.tree_util.tree_map(lambda g: g.astype(jnp.float32), grads)
+    updates, opt_state = tx.update(grads, opt_for_update(plan, plan.opt_to_update(opt_state)), current)
+    new = round_master(plan, optax.apply_updates(current, updates), key)
+    return plan.to_storage(new), plan.opt_to_storage(opt_for_storage(plan, opt_state))

@@ -28,6 +28,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
 from zerojax.config import ZeroConfig
 from zerojax.errors import ConfigError
+from zerojax.low_precision import opt_storage_dtype
 from zerojax.plan import ZeroPlan
 from zerojax.stages.zeropp import secondary_bytes
 from zerojax.tools.report import MemoryReport
@@ -205,13 +206,17 @@ def estimate_zero3_model_states_mem_needs_all_live(params, num_gpus_per_node=1, 
                                                           additional_buffer_factor, print_table)
 
 
-def zero_paper_bytes(total_params, num_devices, stage, precision="bf16", include_grads=True) -> float:
+def zero_paper_bytes(total_params, num_devices, stage, precision="bf16", include_grads=True,
+                     master_weights_dtype=None, optimizer_state_dtype=None) -> float:
     """Bytes per device of the ZeRO paper's model states (Rajbhandari et al. 2020) for Adam.
 
     Mixed precision: 2 bytes of params and of grads per parameter, K = 12 optimizer bytes (fp32
     master, m, v); ``precision="fp32"``: 4 + 4 and K = 8. Stage 1 partitions the optimizer
     states over ``num_devices``, stage 2 also the grads, stage 3 also the params.
     ``include_grads=False`` counts what a zerojax TrainState stores (grads live in the step).
+    Low-precision states (bf16 only): ``master_weights_dtype="bfloat16"`` drops the fp32 master
+    (the 16-bit params are it: K = 8), ``optimizer_state_dtype="bfloat16"`` halves the moments
+    (K = 4); 16-bit grads stay 2 bytes. Per parameter, with grads: 16 / 12 / 8; stored: 14 / 10 / 6.
 
         >>> round(zero_paper_bytes(7.5e9, 64, 3) / 1e9, 1)
         1.9
@@ -220,9 +225,19 @@ def zero_paper_bytes(total_params, num_devices, stage, precision="bf16", include
         raise ConfigError(f"stage={stage!r} must be one of 0, 1, 2, 3")
     if not (isinstance(num_devices, (int, np.integer)) and num_devices >= 1):
         raise ConfigError(f"num_devices={num_devices!r} must be an int >= 1")
+    low = {"master_weights_dtype": master_weights_dtype, "optimizer_state_dtype": optimizer_state_dtype}
+    for name, value in low.items():
+        if value not in (None, "float32", "bfloat16") or (value == "bfloat16" and precision != "bf16"):
+            raise ConfigError(f"{name}={value!r} with precision={precision!r}: low-precision states are "
+                              'None (fp32) or "bfloat16", with precision "bf16"')
+    if optimizer_state_dtype == "bfloat16" and master_weights_dtype != "bfloat16":
+        raise ConfigError('optimizer_state_dtype="bfloat16" needs master_weights_dtype="bfloat16" (as DeepSpeed\'s '
+                          "bf16_optimizer_states needs bf16_master_weights_and_grads)")
     p = 4 if precision == "fp32" else 2
     g = p if include_grads else 0
     k = 8 if precision == "fp32" else 12
+    k -= 4 if master_weights_dtype == "bfloat16" else 0  # the bf16 params are the master
+    k -= 4 if optimizer_state_dtype == "bfloat16" else 0  # two bf16 moments instead of two fp32 ones
     n = num_devices
     params = p / n if stage >= 3 else p
     grads = g / n if stage >= 2 else g
@@ -285,7 +300,10 @@ def plan_arrays(plan: ZeroPlan, tx=None) -> Dict[str, List[Stored]]:
     shardings = jax.tree_util.tree_leaves(plan.opt_state_shardings(opt_shapes),
                                           is_leaf=lambda s: isinstance(s, NamedSharding))
     mirrors = plan.opt_leaf_layouts(opt_shapes, stored=False)
-    opt = [Stored(tuple(x.shape) if lay is None else plan.master_shape(lay), np.dtype(x.dtype), sh)
+    low = plan.config.optimizer_state_dtype is not None  # the float leaves mirroring a param stored in bf16
+    opt = [Stored(tuple(x.shape) if lay is None else plan.master_shape(lay),
+                  np.dtype(opt_storage_dtype(plan) if low and lay is not None and jnp.issubdtype(x.dtype, jnp.floating)
+                           else x.dtype), sh)
            for x, sh, lay in zip(leaves, shardings, mirrors)]
     rep = NamedSharding(plan.mesh, jax.sharding.PartitionSpec())
     other_shapes = (jax.ShapeDtypeStruct((), jnp.int32), jax.eval_shape(plan.config.loss_scaler.init),

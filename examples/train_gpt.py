@@ -9,6 +9,8 @@ read as bytes: a 256-token vocabulary and no download.
     python examples/train_gpt.py --stage 3 --offload-optimizer cpu --offload-param cpu
     python examples/train_gpt.py --zeropp                          # ZeRO-3 + qwZ, hpZ (2 nodes x 4), qgZ
     python examples/train_gpt.py --stage 3 --qwz --hpz 4 --qgz --qgz-bits 8
+    python examples/train_gpt.py --bf16-states                     # bf16 master + moments: 6 bytes/param
+    python examples/train_gpt.py --bf16-states --stochastic-rounding
     python examples/train_gpt.py --stage 2 --offload-optimizer nvme --nvme-path /local/nvme
     python examples/train_gpt.py --deepspeed-config examples/ds_configs/zero3_offload.json
 
@@ -79,6 +81,7 @@ def build(args, cfg, mesh):
         given = [f"--{k.replace('_', '-')}" for k in ("stage", "offload_optimizer", "offload_param", "nvme_path", "hpz",
                                                       "devices_per_node") if getattr(args, k) is not None]
         given += [f"--{k}" for k in ("qwz", "qgz", "zeropp") if getattr(args, k)]
+        given += [f"--{k.replace('_', '-')}" for k in ("bf16_states", "stochastic_rounding") if getattr(args, k)]
         if given:
             sys.exit(f"error: {', '.join(given)} and --deepspeed-config both set ZeRO options: write them in "
                      f"{args.deepspeed_config} (zero_optimization) or drop --deepspeed-config")
@@ -100,10 +103,15 @@ def build(args, cfg, mesh):
                       hpz_partition_size=args.hpz or (4 if args.zeropp else 1), quantized_gradients_bits=args.qgz_bits,
                       devices_per_node=args.devices_per_node)
         default_stage = 3 if args.qwz or args.qgz or args.zeropp or args.hpz else 2  # ZeRO++ is a stage-3 feature
+        # low-precision model states: the bf16 params as their own master, and (all) bf16 moments
+        states = dict(master_weights_dtype="bfloat16" if args.bf16_states else None,
+                      optimizer_state_dtype="bfloat16" if args.bf16_states == "all" else None,
+                      stochastic_rounding=args.stochastic_rounding)
         config = zj.ZeroConfig(stage=default_stage if args.stage is None else args.stage, precision=args.precision,
                                gradient_accumulation_steps=args.grad_accum, gradient_clipping=args.clip,
                                offload_optimizer=args.offload_optimizer, offload_param=args.offload_param,
-                               nvme_path=args.nvme_path, param_persistence_threshold=10 * cfg.d_model, **zeropp)
+                               nvme_path=args.nvme_path, param_persistence_threshold=10 * cfg.d_model, **zeropp,
+                               **states)
     except zj.ConfigError as e:
         sys.exit(f"error: {e}")
     schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, warmup, args.steps, args.lr / 10)
@@ -146,6 +154,11 @@ def main(argv=None):
     ap.add_argument("--devices-per-node", type=int, default=None,
                     help="nodes for qgZ's two hops without hpZ (default: --hpz, else one node)")
     ap.add_argument("--zeropp", action="store_true", help="all three: --qwz --hpz 4 --qgz (stage 3 by default)")
+    ap.add_argument("--bf16-states", nargs="?", const="all", default=None, choices=["master", "all"],
+                    help="bf16 model states (bf16 only): 'master' keeps no fp32 master (the bf16 params are it), "
+                         "'all' (the default of the flag) also stores Adam's moments in bf16")
+    ap.add_argument("--stochastic-rounding", action="store_true",
+                    help="round the bf16 master update stochastically (needs --bf16-states)")
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--d-model", type=int, default=128)
@@ -173,6 +186,9 @@ def main(argv=None):
                                  (f"qgZ {config.quantized_gradients_bits}-bit", config.quantized_gradients)) if on]
     if zpp and config.stage == 3:
         offload += " | ZeRO++ " + ", ".join(zpp)
+    if config.master_weights_dtype:
+        offload += (f" | bf16 master{' + bf16 moments' if config.optimizer_state_dtype else ''}"
+                    f"{', stochastic rounding' if config.stochastic_rounding else ''}")
     n, gas = len(mesh.devices.flat), config.gradient_accumulation_steps
     print(f"GPT {cfg.n_params / 1e6:.2f}M params | {n} devices | ZeRO stage {config.stage} | {config.precision} | "
           f"{offload} | global batch {batch} = {n} devices x {gas} grad-accum x {batch // n // gas} micro-batch | "

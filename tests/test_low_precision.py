@@ -224,6 +224,11 @@ def test_zeroconfig_rules():
     assert zj.ZeroConfig(stage=1, precision="bf16", master_weights_dtype="float32").master_weights_dtype is None
 
 
+def test_zero_optimizer_refuses_low_precision_states():
+    with pytest.raises(ConfigError, match=r"zero_optimizer: master_weights_dtype='bfloat16'.*is not supported here"):
+        zj.zero_optimizer(optax.adamw(1e-3), config=config(1, "bf16 master"))
+
+
 def test_fused_adam_is_refused_with_bf16_states(params):
     state = zj.shard_train_state(params, optax.inject_hyperparams(optax.adamw)(1e-3),
                                  config=config(1, "bf16 master"))

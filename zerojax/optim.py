@@ -62,7 +62,7 @@ def _check_tree(plan: ZeroPlan, tree, what: str):
 
 
 def _check_offload(config: ZeroConfig) -> None:
-    """Refuse, by name, the offload settings that only make_train_step honours."""
+    """Refuse, by name, the offload and low-precision-state settings that only make_train_step honours."""
     fix = "use zj.make_train_step (or zj.initialize with a DeepSpeed config), which keeps that state itself"
     if config.offload_optimizer == "nvme":
         raise ConfigError(
@@ -74,6 +74,14 @@ def _check_offload(config: ZeroConfig) -> None:
         raise ConfigError(
             "zero_optimizer: zenflow (zero_optimization.zenflow) is not supported here: ZenFlow keeps its "
             f"optimizer state and split update beside the step. Fix: {fix}, or drop the zenflow block")
+    low = [f"{k}={getattr(config, k)!r}" for k in ("master_weights_dtype", "optimizer_state_dtype",
+                                                   "stochastic_rounding") if getattr(config, k)]
+    if low:
+        raise ConfigError(
+            f"zero_optimizer: {', '.join(low)} (bf16.bf16_master_weights_and_grads / bf16_optimizer_states) is not "
+            "supported here: this wrapper leaves dtypes as given and keeps no master. Fix: pass bf16 params and an "
+            "optimizer with bf16 moments (optax.adamw(..., mu_dtype=jnp.bfloat16)) yourself, or use "
+            "zj.make_train_step, which keeps low-precision states")
     if config.offload_optimizer is not None and config.offload_ratio < 1:
         raise ConfigError(
             f"zero_optimizer: offload_ratio={config.offload_ratio!r} (zero_optimization.offload_optimizer.ratio) "

@@ -1,5 +1,8 @@
 """zj.zero_optimizer with offload_optimizer="cpu": state in host memory, update on the host,
 numbers equal to plain optax; the offload settings it cannot honour are refused by name."""
+import os
+import subprocess
+import sys
 import warnings
 
 import jax
@@ -11,6 +14,7 @@ from tests.helpers import OPTIMIZERS, batches, clip_grads, init_params, loss_fn,
 from zerojax.errors import ConfigError, HostUpdateWarning, IgnoredKeysWarning
 
 STEPS = 5
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def reference_updates(make_tx, params, data, clip=0.0):
@@ -47,7 +51,7 @@ def kinds(state):
 
 
 def mirrors(state):
-    return [x for x in jax.tree_util.tree_leaves(state) if x.ndim >= 1]
+    return [x for x in jax.tree_util.tree_leaves(state) if x.size >= 8]
 
 
 @pytest.mark.parametrize("jitted", [True, False], ids=["jit", "eager"])
@@ -149,3 +153,47 @@ def test_offload_param_is_warned():
     config = zj.ZeroConfig(stage=3, offload_optimizer="cpu", offload_param="cpu")
     with pytest.warns(IgnoredKeysWarning, match="offload_param"):
         zj.zero_optimizer(optax.adamw(1e-2), config=config)
+
+
+DONATING = r"""
+import jax, jax.numpy as jnp, optax
+import zerojax as zj
+from tests.helpers import max_rel_err
+from tests.test_optim import kinds
+
+# shapes that divide the 8 devices: the stored moments have exactly the updates' shapes
+params = {{"w": jax.random.normal(jax.random.PRNGKey(0), (16, 8)), "b": jnp.ones((8,))}}
+xs = [jax.random.normal(jax.random.PRNGKey(i), (4, 16)) for i in range(1, 4)]
+
+def loss(p, x):
+    return jnp.sum(jnp.tanh(x @ p["w"] + p["b"]) ** 2)
+
+ref, ref_state = params, optax.adamw(1e-2).init(params)
+for x in xs:
+    u, ref_state = optax.adamw(1e-2).update(jax.grad(loss)(ref, x), ref_state, ref)
+    ref = optax.apply_updates(ref, u)
+tx = zj.zero_optimizer(optax.adamw(1e-2), mesh=zj.make_mesh({devices}),
+                      config=zj.ZeroConfig(stage={stage}, offload_optimizer="cpu"))
+
+def step(p, s, x):
+    u, s = tx.update(jax.grad(loss)(p, x), s, p)
+    return u, optax.apply_updates(p, u), s
+
+step = jax.jit(step, donate_argnums=(1,))  # no out_shardings
+state = tx.init(params)
+for x in xs:
+    u, params, state = step(params, state, x)
+assert max_rel_err(params, ref) < 1e-6
+assert kinds(state.inner) == {{"pinned_host"}}
+print("DONATED-OK")
+"""
+
+
+@pytest.mark.parametrize("devices,stage", [(1, 1), (8, 2)])
+def test_donated_state_in_callers_jit(devices, stage):
+    """A caller's jit that donates the offloaded state (without out_shardings) must not pair the
+    host buffers with the device updates (the runtime aborts the process on that): run apart."""
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    out = subprocess.run([sys.executable, "-c", DONATING.format(stage=stage, devices=devices)], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and "DONATED-OK" in out.stdout, out.stderr[-3000:]

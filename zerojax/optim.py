@@ -25,11 +25,13 @@ ZenFlow and ``offload_ratio`` < 1 keep optimizer state beside the step: they are
 """
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Any, NamedTuple, Optional
 
 import jax
 import optax
+from jax.sharding import PartitionSpec as P
 
 from zerojax._compat import compute_on_host, same_memory_space, to_device_memory
 from zerojax.config import ZeroConfig
@@ -59,6 +61,17 @@ def _check_tree(plan: ZeroPlan, tree, what: str):
     if got != plan.treedef:
         raise ValueError(f"zero_optimizer: {what} tree {got} does not match the params tree {plan.treedef} "
                          "given to init; pass grads/params with the same structure as at init.")
+
+
+def _lift_rank(plan: ZeroPlan) -> int:
+    """Leading unit axes on every offloaded state leaf: one more than any param has dims.
+
+    A caller's ``jax.jit(..., donate_argnums=...)`` without ``out_shardings`` pairs each donated
+    input with the first output of the same shape and dtype whatever its memory kind; the
+    updates (device memory, the params' shapes) would take the donated moments' host buffers,
+    which the runtime refuses. Lifted, no state leaf has the shape of any update, so donated
+    state only pairs with the new state, in host memory, and is updated in place."""
+    return 1 + max((len(lay.shape) for lay in plan.leaves), default=0)
 
 
 def _check_offload(config: ZeroConfig) -> None:
@@ -117,14 +130,22 @@ def zero_optimizer(tx: optax.GradientTransformation, *, mesh=None,
         return C.split_tree(plan, tree, plan.opt_partitioned)
 
     def homes(plan: ZeroPlan):
-        """Where each stored leaf of the inner state lives (offloaded: in host memory)."""
+        """Where each stored leaf of the inner state lives (offloaded: in host memory, lifted)."""
         logical = jax.eval_shape(tx.init, plan.map(lambda lay: jax.ShapeDtypeStruct(lay.shape, lay.dtype)))
-        return plan.opt_state_shardings(logical)
+        shardings = plan.opt_state_shardings(logical)
+        if not offload:
+            return shardings
+        k = _lift_rank(plan)
+        return jax.tree_util.tree_map(lambda s: s.update(spec=P(*(None,) * k, *s.spec)), shardings)
 
     def store(plan: ZeroPlan, stored):
         # stored padded, split like the master, so any jit boundary accepts it; offloaded
-        # state goes to (stays in) host memory
+        # state goes to (stays in) host memory, lifted (see _lift_rank)
         return ZeroOptState((_place if offload else _constrain)(stored, homes(plan)))
+
+    def lift(plan: ZeroPlan, tree):
+        k = _lift_rank(plan)
+        return jax.tree_util.tree_map(lambda x: x.reshape((1,) * k + x.shape), tree)
 
     def clip(plan: ZeroPlan, grads):
         if not config.gradient_clipping:
@@ -134,16 +155,35 @@ def zero_optimizer(tx: optax.GradientTransformation, *, mesh=None,
 
     def init_fn(params):
         plan = plan_for(params)
-        return store(plan, plan.opt_to_storage(tx.init(plan.to_update(split(plan, params)))))
+        stored = plan.opt_to_storage(tx.init(plan.to_update(split(plan, params))))
+        return store(plan, lift(plan, stored) if offload else stored)
 
     def device_update(plan: ZeroPlan, grads, inner, params):
         """Partitioned grads/params and the inner state, all padded -> padded updates and state."""
         new_updates, inner = tx.update(plan.to_update(grads), plan.opt_to_update(inner), plan.to_update(params))
         return plan.to_storage(new_updates), plan.opt_to_storage(inner)
 
+    def lifted_update(plan: ZeroPlan, grads, inner, params):
+        """``device_update`` on the lifted state, under one ``vmap`` (of size 1) per lifted axis,
+        mapped over the leaves that mirror a param: their new values come out lifted, with no
+        reshape between the moments and their stored form, so XLA updates donated state in
+        place (a reshape there makes it fuse the moments' update into the updates' and copy
+        the old moments). The other leaves (counts, hyperparameters) enter unmapped."""
+        k = _lift_rank(plan)
+        leaves, treedef = jax.tree_util.tree_flatten(inner)
+        lowered = [x.reshape(x.shape[k:]) for x in leaves]
+        mirrors = plan.opt_leaf_layouts(treedef.unflatten(lowered), stored=True)
+        args = treedef.unflatten([x if lay is not None else low for x, low, lay in zip(leaves, lowered, mirrors)])
+        axes = treedef.unflatten([None if lay is None else 0 for lay in mirrors])
+        update = functools.partial(device_update, plan)
+        for _ in range(k):
+            update = jax.vmap(update, in_axes=(0, axes, 0))
+        new_updates, new = update(lift(plan, grads), args, lift(plan, params))
+        return jax.tree_util.tree_map(lambda x: x.reshape(x.shape[k:]), new_updates), new
+
     def host_update(plan: ZeroPlan):
         def on_host(grads, inner, params):
-            updates, new = device_update(plan, grads, inner, params)
+            updates, new = lifted_update(plan, grads, inner, params)
             # values the optimizer makes from constants are typed as device values: home them
             return updates, jax.tree_util.tree_map(same_memory_space, new, inner)
         return compute_on_host(on_host)
@@ -159,8 +199,8 @@ def zero_optimizer(tx: optax.GradientTransformation, *, mesh=None,
                 f"zero_optimizer(offload_optimizer='cpu'): this optimizer's update cannot be traced for the host "
                 f"({e}); its state stays in host memory between steps and is updated on the device instead. "
                 "optax.adam/adamw/sgd/lion update on the host.", HostUpdateWarning, stacklevel=4)
-            updates, stored = device_update(plan, grads, jax.tree_util.tree_map(to_device_memory, state.inner),
-                                            params)
+            inner = jax.tree_util.tree_map(to_device_memory, state.inner)
+            updates, stored = lifted_update(plan, grads, inner, params)
             return updates, store(plan, stored)
         updates = plan.map(lambda lay, x: jax.device_put(x, plan.master_sharding(lay).with_memory_kind(DEVICE)),
                            updates)

@@ -2,6 +2,7 @@
 
     python benchmarks/host_adam.py                 # 50M fp32 params
     python benchmarks/host_adam.py --sweep         # also block sizes, chunk sizes, threads
+    python benchmarks/host_adam.py --vs-deepspeed /path/to/venv/bin/python   # and DeepSpeed's CPU Adam
 
 Both sides update 50M fp32 params with fp32 gradients and weight decay, on the CPU
 backend whatever the default backend is. The jax side is ``optax.adamw(...).update`` plus
@@ -17,6 +18,20 @@ compiled program (40 bytes: it runs three loops). Both are printed next to the m
 streaming bandwidth, measured in the same run: a numpy copy and a numpy in-place update
 (``a += b``) over 200 MB arrays, bytes read + written per second, with one thread and
 with all of them; the best of the four is the figure.
+
+``--vs-deepspeed PYTHON``: the python of an environment with torch and deepspeed (this script
+installs nothing). In the same interleaved rounds it times ``DeepSpeedCPUAdam.step()`` on the
+same number of fp32 params (AdamW mode, same lr, betas, eps and weight decay) in a subprocess
+of that python (``benchmarks/_ds_cpu_adam.py``, which imports only torch and deepspeed and
+times each step itself), and ``zj.zero_optimizer(optax.adamw(...), offload_optimizer="cpu")``:
+its jitted ``update`` on a one-device CPU mesh, gradients and state donated (as inside a
+training step, where the gradients are temporaries and the state is replaced; a fresh copy
+of the gradients is made before each timed call). Printed: each median and the ratio
+"DeepSpeed CPU Adam time / zerojax time" (goal >= 1.0) for HostAdamW and for zero_optimizer.
+DeepSpeed's C++ op is built by DeepSpeed at its first use (a compiler and ninja in that
+environment); ``--ds-threads`` sets its OMP_NUM_THREADS (default: DeepSpeed's own choice), and
+its OpenMP threads wait passively between steps (OMP_WAIT_POLICY=PASSIVE unless set), so they
+do not spin on the cores the next candidate runs on.
 """
 from __future__ import annotations
 
@@ -24,6 +39,7 @@ import argparse
 import os
 import re
 import statistics
+import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -32,8 +48,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+import zerojax as zj
 from zerojax.offload.host_adam import HostAdamW
 from zerojax.offload.host_buffers import host_zeros
+
+DS_DRIVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_ds_cpu_adam.py")
 
 BYTES_PER_PARAM = 28
 LR, WD = 1e-3, 0.01
@@ -113,10 +132,85 @@ def make_host_step(opt: HostAdamW, n: int, grad_dtype=np.float32, out16=False, h
     return run
 
 
+class DeepSpeedStep:
+    """DeepSpeed's CPU Adam in a subprocess of another python; each call runs one step there
+    and returns the (wall, CPU) seconds the child measured around ``optimizer.step()``."""
+
+    def __init__(self, python: str, n: int, threads: int | None = None):
+        env = dict(os.environ)
+        if threads:
+            env["OMP_NUM_THREADS"] = str(threads)
+        # GNU OpenMP's threads otherwise spin after each step and slow whatever runs next on
+        # the same cores (measured: about 15% on the next candidate; DeepSpeed's own step is
+        # not slower with passive waiting)
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        self.proc = subprocess.Popen(
+            [python, DS_DRIVER, "--n", str(n), "--lr", str(LR), "--weight-decay", str(WD)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        line = self._reply("ready")
+        if line is None:
+            raise RuntimeError(f"{DS_DRIVER} under {python} did not start (exit code {self.proc.wait()}); "
+                               "run it by hand to see why (it needs torch and deepspeed there)")
+        self.threads, self.versions = line[1], f"torch {line[2]}, deepspeed {line[3]}"
+
+    def _reply(self, first=None):
+        """The child's next protocol line, split (its libraries may log to stdout as well)."""
+        for text in self.proc.stdout:
+            words = text.split()
+            if first is not None and words and words[0] == first:
+                return words
+            if first is None and len(words) == 2 and all(w.replace(".", "", 1).isdigit() for w in words):
+                return words
+        return None
+
+    def __call__(self):
+        self.proc.stdin.write("step\n")
+        self.proc.stdin.flush()
+        reply = self._reply()
+        if reply is None:
+            raise RuntimeError(f"DeepSpeed's step stopped (exit code {self.proc.wait()})")
+        return float(reply[0]), float(reply[1])
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.proc.stdin.write("quit\n")
+            self.proc.stdin.close()
+            self.proc.wait(timeout=60)
+
+
+def make_zero_optimizer_step(n: int):
+    """zj.zero_optimizer(optax.adamw, offload_optimizer="cpu") on a one-device CPU mesh: the jitted
+    update of n fp32 params, gradients and state donated; each call times one update."""
+    cpu = jax.devices("cpu")[0]
+    mesh = zj.make_mesh(1, devices=[cpu])
+    tx = zj.zero_optimizer(optax.adamw(LR, weight_decay=WD), mesh=mesh,
+                           config=zj.ZeroConfig(stage=1, offload_optimizer="cpu"))
+    rng = np.random.default_rng(5)
+    params = {"w": jax.device_put(rng.standard_normal(n, dtype=np.float32), cpu) + 0}
+    grads = {"w": jax.device_put(rng.standard_normal(n, dtype=np.float32), cpu) + 0}
+    state = [tx.init(params)]
+    kinds = {x.sharding.memory_kind for x in jax.tree.leaves(state[0])}
+    update = jax.jit(tx.update, donate_argnums=(0, 1))
+
+    def run():
+        g = jax.tree.map(lambda x: x + 0, grads)  # the donated gradients: a fresh copy, not timed
+        jax.block_until_ready(g)
+        w, c = time.perf_counter(), time.process_time()
+        u, state[0] = update(g, state[0], params)
+        jax.block_until_ready((u, state[0]))
+        return time.perf_counter() - w, time.process_time() - c
+
+    run()  # compile
+    return run, kinds
+
+
 def timed(fn):
-    """(wall seconds, CPU seconds of the whole process) of one call."""
+    """(wall seconds, CPU seconds of the whole process) of one call; a call that times itself
+    returns that pair."""
     w, c = time.perf_counter(), time.process_time()
-    fn()
+    own = fn()
+    if own is not None:
+        return own
     return time.perf_counter() - w, time.process_time() - c
 
 
@@ -134,8 +228,11 @@ def main():
     ap.add_argument("--n", type=int, default=50_000_000)
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--block", type=int, default=262144)
+    ap.add_argument("--block", type=int, default=32768)
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--vs-deepspeed", metavar="PYTHON", default=None,
+                    help="python of an environment with torch and deepspeed: time DeepSpeedCPUAdam too")
+    ap.add_argument("--ds-threads", type=int, default=None, help="OMP_NUM_THREADS for DeepSpeed's step")
     args = ap.parse_args()
     n = args.n
 
@@ -144,7 +241,7 @@ def main():
           f"{opt.num_threads}   jax {jax.__version__} on {jax.devices('cpu')[0]}   load average: "
           f"{os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
     if args.sweep:
-        for block in (65536, 131072, 262144, 524288, 1048576):
+        for block in (8192, 16384, 32768, 65536, 262144):
             with HostAdamW(LR, weight_decay=WD, num_threads=1, block_elements=block) as o:
                 w, _ = interleaved({"x": make_host_step(o, n)}, 5)["x"]
             print(f"  sweep compiled (XLA alone) block={block:8d}: {n / w / 1e6:8.1f} M params/s")
@@ -162,6 +259,11 @@ def main():
     cands = {"host": make_host_step(opt, n), "jax": jax_run,
              "numpy": make_host_step(opt, n, host=False), "xla only": make_host_step(solo, n)}
     cands.update({k: fn for k, (fn, _) in probes.items()})
+    ds = None
+    if args.vs_deepspeed:
+        ds = DeepSpeedStep(args.vs_deepspeed, n, args.ds_threads)
+        cands["deepspeed"] = ds
+        cands["zero_optimizer"], zo_kinds = make_zero_optimizer_step(n)
     res = interleaved(cands, args.reps)
 
     bw = {k: nbytes / res[k][0] for k, (_, nbytes) in probes.items()}
@@ -198,6 +300,20 @@ def main():
           + ", ".join(f"{k} {n / res[k][1] / 1e6:.0f} M params" for k in rate)
           + "; cores busy during a step: "
           + ", ".join(f"{k} {res[k][1] / res[k][0]:.2f}" for k in rate))
+
+    if ds is not None:
+        ds.close()
+        dsw, dsc = res["deepspeed"]
+        print(f"DeepSpeed CPU Adam ({ds.versions}, OMP threads {ds.threads}): {dsw * 1e3:.1f} ms/step  "
+              f"{n / dsw / 1e6:.1f} M params/s  ({n / dsc / 1e6:.0f} M params per CPU-second)")
+        for key, label in (("host", "HostAdamW (host_zeros)"),
+                           ("zero_optimizer", "zero_optimizer offload_optimizer='cpu', jitted update")):
+            w, c = res[key]
+            print(f"{label}: {w * 1e3:.1f} ms/step  {n / w / 1e6:.1f} M params/s  "
+                  f"({n / c / 1e6:.0f} M params per CPU-second)   "
+                  f"DeepSpeed CPU Adam time / zerojax time: {dsw / w:.2f} (goal >= 1.0); per CPU-second "
+                  f"{dsc / c:.2f}")
+        print(f"  (zero_optimizer's stored state is in {', '.join(sorted(zo_kinds))} memory)")
 
     variants = {"bf16 grads + bf16 out16 (28 B/param)": make_host_step(opt, n, jnp.bfloat16, True),
                 "fp32 grads + bf16 out16 (30 B/param)": make_host_step(opt, n, np.float32, True)}

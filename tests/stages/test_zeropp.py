@@ -52,27 +52,37 @@ def gpt_batches(steps, rows=16, seed=0):
 
 
 # ------------------------------------------------------------------ the references
+def _device_blocks(lay, w, block, dtype):
+    """A partitioned leaf as qwZ cuts it: padded, split into its N device rows, each row in
+    blocks of min(block, row). Returns the blocks [N, nb, b] and a function mapping per-element
+    values [N, nb * b] back to the leaf's logical shape."""
+    widths = [(0, 0)] * w.ndim
+    widths[lay.axis] = (0, lay.pad)
+    moved = np.moveaxis(np.pad(np.asarray(w, dtype), widths), lay.axis, 0)
+    rows = moved.reshape(N, -1)
+    c = rows.shape[1]
+    b = min(block, c)
+    nb = -(-c // b)
+    x = np.pad(rows, [(0, 0), (0, nb * b - c)]).reshape(N, nb, b)
+
+    def back(values):
+        out = np.moveaxis(values.reshape(N, -1)[:, :c].reshape(moved.shape), 0, lay.axis)
+        return out[tuple(slice(0, s) for s in lay.shape)]
+
+    return x, back
+
+
 def quantized_weights(params, plan, block):
     """The weights as qwZ delivers them: each partitioned leaf padded, cut into its n device
     rows, every row quantized to 8 bits in blocks of min(block, row) with scale max|block|/127."""
     def one(lay, w):
-        w = np.asarray(w, np.float32)
         if not lay.params_partitioned:
-            return w
-        widths = [(0, 0)] * w.ndim
-        widths[lay.axis] = (0, lay.pad)
-        moved = np.moveaxis(np.pad(w, widths), lay.axis, 0)
-        rows = moved.reshape(N, -1)
-        c = rows.shape[1]
-        b = min(block, c)
-        nb = -(-c // b)
-        x = np.pad(rows, [(0, 0), (0, nb * b - c)]).reshape(N, nb, b)
+            return np.asarray(w, np.float32)
+        x, back = _device_blocks(lay, w, block, np.float32)
         amax = np.abs(x).max(-1, keepdims=True)
         ratio = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
         q = np.clip(np.round(x * ratio), -127, 127)
-        deq = (q * (amax / np.float32(127))).astype(np.float32).reshape(N, -1)[:, :c]
-        out = np.moveaxis(deq.reshape(moved.shape), 0, lay.axis)
-        return out[tuple(slice(0, s) for s in lay.shape)]
+        return back((q * (amax / np.float32(127))).astype(np.float32))
     return plan.map(one, params)
 
 
@@ -82,20 +92,10 @@ def weight_bound(params, plan, block):
 
 
 def _block_half_step(lay, w, block):
-    w = np.asarray(w, np.float64)
     if not lay.params_partitioned:
-        return np.zeros_like(w)
-    widths = [(0, 0)] * w.ndim
-    widths[lay.axis] = (0, lay.pad)
-    moved = np.moveaxis(np.pad(w, widths), lay.axis, 0)
-    rows = moved.reshape(N, -1)
-    c = rows.shape[1]
-    b = min(block, c)
-    nb = -(-c // b)
-    x = np.pad(np.abs(rows), [(0, 0), (0, nb * b - c)]).reshape(N, nb, b)
-    half = np.repeat(x.max(-1) / 254, b, axis=1)[:, :c]
-    out = np.moveaxis(half.reshape(moved.shape), 0, lay.axis)
-    return out[tuple(slice(0, s) for s in lay.shape)]
+        return np.zeros_like(np.asarray(w, np.float64))
+    x, back = _device_blocks(lay, w, block, np.float64)
+    return back(np.repeat(np.abs(x).max(-1) / 254, x.shape[-1], axis=1))
 
 
 def device_grads(params, batch, gas, loss=loss_fn):

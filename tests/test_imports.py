@@ -27,8 +27,9 @@ def import_graph() -> dict:
                 if node.level:
                     up = package.split(".")[: len(package.split(".")) - node.level + 1]
                     base = ".".join(up + ([base] if base else []))
-                # `from pkg import submodule` depends on the submodule; `from mod import name` on mod
-                edges |= {f"{base}.{a.name}" if f"{base}.{a.name}" in files else base for a in node.names}
+                # `from pkg import submodule` runs pkg/__init__ and then the submodule: both count
+                edges.add(base)
+                edges |= {f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in files}
         graph[name] = {e for e in edges if e in files and e != name}
     return graph
 

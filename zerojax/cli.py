@@ -22,9 +22,15 @@ import sys
 import warnings
 from typing import Callable, Optional, Sequence
 
+import jax
+import jax.numpy as jnp
+
+from zerojax.checkpoint import consolidate
 from zerojax.config import ZeroConfig
 from zerojax.config.deepspeed import TrainingArgs, key_report
 from zerojax.errors import ConfigError
+from zerojax.tools.estimate import estimate_tables, zero_paper_bytes
+from zerojax.tools.planning import Ref, gpt_sizes, named_gpt, plan_step
 
 
 def _training_args(text: Optional[str]):
@@ -112,8 +118,6 @@ def _positive_int(text: str) -> int:
 
 
 def _run_estimate_memory(args: argparse.Namespace) -> int:
-    from zerojax.tools.estimate import estimate_tables
-
     largest = args.largest_layer
     if largest is None:
         largest = max(1, int(args.params * 0.02))
@@ -145,12 +149,6 @@ def _add_estimate_memory(sub) -> None:
 
 
 def _run_plan_step(args: argparse.Namespace) -> int:
-    import jax
-    import jax.numpy as jnp
-
-    from zerojax.tools.estimate import zero_paper_bytes
-    from zerojax.tools.planning import Ref, named_gpt, plan_step
-
     cfg, init_fn, loss_fn = named_gpt(args.model, args.seq_len)
     config = ZeroConfig(stage=args.stage, precision=args.precision, gradient_accumulation_steps=args.gas)
     rows = args.devices * args.gas * args.micro_batch
@@ -171,8 +169,6 @@ def _run_plan_step(args: argparse.Namespace) -> int:
 
 
 def _add_plan_step(sub) -> None:
-    from zerojax.tools.planning import gpt_sizes
-
     p = sub.add_parser("step", help="compile a GPT train step for N (simulated) devices and print its "
                                     "per-device peak, stored state and collectives")
     p.add_argument("--model", required=True, choices=sorted(gpt_sizes()))
@@ -186,8 +182,6 @@ def _add_plan_step(sub) -> None:
 
 
 def _run_checkpoint_consolidate(args: argparse.Namespace) -> int:
-    from zerojax.checkpoint import consolidate
-
     try:
         out = consolidate(args.checkpoint, args.out, dtype=args.dtype, format=args.format, step=args.step)
     except (FileNotFoundError, ValueError) as e:

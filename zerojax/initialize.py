@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from zerojax.config import schedules
+from zerojax.config.schedules import from_deepspeed as schedule_from_deepspeed
 from zerojax.config import ZeroConfig
 from zerojax.config.deepspeed import optimizer_from_config, resolve_batch
 from zerojax.errors import ConfigError
@@ -166,7 +166,7 @@ def _adamw_from_training_args(args, scheduler: Optional[dict]) -> optax.Gradient
     weight_decay; the config's scheduler block when there is one, else the linear schedule."""
     lr = float(_arg(args, "learning_rate"))
     if scheduler is not None:
-        schedule = schedules.from_deepspeed(scheduler, lr)
+        schedule = schedule_from_deepspeed(scheduler, lr)
     else:
         max_steps = int(_arg(args, "max_steps"))
         warmup = int(_arg(args, "warmup_steps"))

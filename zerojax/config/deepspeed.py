@@ -40,7 +40,7 @@ from typing import Iterator, NamedTuple, Optional
 
 import jax
 
-from zerojax.config import schedules
+from zerojax.config.schedules import resolve_scheduler
 from zerojax.config.auto import Context, args_value, fill_auto, fillable
 from zerojax.config.auto import TrainingArgs as TrainingArgs
 from zerojax.config.checks import (low_precision_rules, precision_fields, read_block, read_optimizer, read_top,
@@ -177,7 +177,7 @@ def read_deepspeed(path_or_dict, training_args=None, world_size: Optional[int] =
     scheduler = None
     if cfg.get("scheduler") is not None:
         try:
-            scheduler = schedules.resolve_scheduler(cfg["scheduler"], optimizer["params"]["lr"] if optimizer else 1e-3)
+            scheduler = resolve_scheduler(cfg["scheduler"], optimizer["params"]["lr"] if optimizer else 1e-3)
             v.honour("scheduler", f"-> ZeroConfig.scheduler ({scheduler['type']})")
         except ConfigError as e:
             v.refuse("scheduler", str(e))

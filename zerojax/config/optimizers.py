@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from zerojax.config import schedules
+from zerojax.config.schedules import from_deepspeed as schedule_from_deepspeed, onecycle_momentum_from_deepspeed
 from zerojax.config.checks import optimizer_block
 from zerojax.errors import ConfigError
 
@@ -109,9 +109,9 @@ def optimizer_from_config(config: ZeroConfig) -> optax.GradientTransformation:
                           'Fix: add "optimizer": {"type": "AdamW", "params": {...}} or build your own optax optimizer')
     block = optimizer_block(config.optimizer)
     name, p = block["type"], dict(block["params"])
-    lr = schedules.from_deepspeed(config.scheduler, p["lr"]) if config.scheduler else p["lr"]
+    lr = schedule_from_deepspeed(config.scheduler, p["lr"]) if config.scheduler else p["lr"]
     b1, b2 = p.get("betas", (None, None))
-    momentum = schedules.onecycle_momentum_from_deepspeed(config.scheduler) if config.scheduler else None
+    momentum = onecycle_momentum_from_deepspeed(config.scheduler) if config.scheduler else None
     if momentum is not None and "betas" in p:
         b1, b2 = momentum, 0.99
     elif momentum is not None:

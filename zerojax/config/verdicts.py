@@ -12,7 +12,7 @@ prints them all::
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterator, Optional
+from typing import Iterator
 
 from zerojax.errors import ConfigError
 

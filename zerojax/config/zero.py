@@ -11,11 +11,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
-from zerojax.config import schema
+from zerojax.config.schema import defaults, validate
 from zerojax.config.deepspeed import deepspeed_fields
 from zerojax.precision import LossScaler
 
-_D = schema.defaults()  # the defaults live in zerojax.config.schema.FIELDS, with each field's check
+_D = defaults()  # the defaults live in zerojax.config.schema.FIELDS, with each field's check
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +80,7 @@ class ZeroConfig:
 
     def __post_init__(self):
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        for key, value in schema.validate(values).items():
+        for key, value in validate(values).items():
             object.__setattr__(self, key, value)
 
     # ------------------------------------------------------------------------------

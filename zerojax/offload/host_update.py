@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from zerojax._compat import same_memory_space
+from zerojax.plan import ZeroPlan
 from zerojax.stages.update import optax_update
 
 __all__ = ["host_apply_fn"]

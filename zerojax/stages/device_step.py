@@ -11,7 +11,6 @@ Pallas kernel.
 """
 from __future__ import annotations
 
-import functools
 import warnings
 from typing import Callable
 

@@ -47,7 +47,6 @@ from jax.extend.core import Literal, jaxpr_as_fun
 
 from zerojax._compat import Tracer, primitives, to_device_memory
 from zerojax.plan import LeafLayout, ZeroPlan
-from zerojax.stages import collectives as C
 from zerojax.stages.zeropp import Wire
 
 MARK = "zerojax_gather"

@@ -15,6 +15,7 @@ import optax
 from zerojax.low_precision import opt_for_storage, opt_for_update, round_master
 from zerojax.plan import ZeroPlan
 from zerojax.stages import collectives as C
+from zerojax.state import TrainState
 
 __all__ = ["clip_coefficient", "find_hyperparams", "find_learning_rate", "master_view", "optax_update",
            "params_from_master"]

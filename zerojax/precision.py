@@ -92,12 +92,10 @@ class LossScaler:
         )
 
 
-def tree_all_finite(tree) -> jax.Array:
-    """True when no leaf of ``tree`` holds an inf or nan."""
-    leaves = jax.tree_util.tree_leaves(tree)
-    if not leaves:
-        return jnp.asarray(True)
-    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
+def step_is_finite(norm, loss) -> jax.Array:
+    """True when a step's loss and gradients hold no inf or nan, read from the gradients'
+    ``global_norm`` (one pass over them: any inf or nan makes the norm inf or nan)."""
+    return jnp.isfinite(norm) & jnp.isfinite(loss)
 
 
 def global_norm(tree) -> jax.Array:

@@ -24,7 +24,7 @@ from zerojax.errors import ConfigError
 from zerojax.offload.flat import FlatLayout
 from zerojax.offload.host_adam import HostAdamW
 from zerojax.offload.nvme import NvmeOptimizerStore, _validate_dir
-from zerojax.precision import global_norm, tree_all_finite
+from zerojax.precision import global_norm, step_is_finite
 from zerojax.state import TrainState
 from zerojax.offload.hyperparams import LearningRate, adamw_hyperparams
 from zerojax.stages.gradients import grads_fn
@@ -96,7 +96,7 @@ class HostLoopStep(StepBase):
             g, loss = compute_grads(params, batch, jnp.float32(1.0), rng)
             g = plan.to_update(g)
             norm = global_norm(g)
-            finite = tree_all_finite(g) & jnp.isfinite(loss)
+            finite = step_is_finite(norm, loss)
             coef = clip_coefficient(norm, clip)
             leaves = [(x / coef).astype(self.cdt) for x in plan.treedef.flatten_up_to(g)]
             return leaves, {"loss": loss, "grad_norm": norm, "finite": finite, "coef": coef}

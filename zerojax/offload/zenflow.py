@@ -57,7 +57,7 @@ from zerojax.errors import ConfigError
 from zerojax.offload.flat import FlatLayout
 from zerojax.offload.host_adam import HostAdamW
 from zerojax.offload.host_buffers import host_zeros
-from zerojax.precision import global_norm, tree_all_finite
+from zerojax.precision import global_norm, step_is_finite
 from zerojax.state import TrainState
 from zerojax.contract import NON_FINITE, OK, StepBase, check_state
 from zerojax.offload.hyperparams import LearningRate, adamw_hyperparams
@@ -202,7 +202,7 @@ class ZenFlowStep(StepBase):
             norm = global_norm(g)
             coef = clip_coefficient(norm, clip)
             g = [x / coef for x in g]
-            finite = tree_all_finite(g) & jnp.isfinite(loss)
+            finite = step_is_finite(norm, loss)
             idx, sel, sel_opt = dev["idx"], dev["sel"], dev["sel_opt"]
             if reselect:
                 # one score per input feature crosses devices, not the gradient

@@ -27,7 +27,7 @@ from zerojax.low_precision import update_key
 from zerojax.offload.host_update import host_apply_fn
 from zerojax.offload.partial import check_split
 from zerojax.plan import DEVICE, ZeroPlan
-from zerojax.precision import global_norm
+from zerojax.precision import global_norm, step_is_finite
 from zerojax.stages.gradients import grads_fn
 from zerojax.stages.update import clip_coefficient, find_learning_rate, master_view, optax_update, params_from_master
 from zerojax.state import TrainState, state_shardings
@@ -107,9 +107,8 @@ def _update_fn(loss_fn: Callable, plan: ZeroPlan, tx, has_aux: bool, fused_adam:
             lambda lay, x, s: x if lay.params_partitioned else plan.fetch(x, s), state.params, homes.params))
         scaled, loss = compute_grads(state.params, batch, scale, rng)
         grads = jax.tree_util.tree_map(lambda g: g / scale, scaled)
-        # one pass over the gradients: an inf or nan anywhere makes the norm inf or nan
         norm = global_norm(grads)
-        finite = jnp.isfinite(norm) & jnp.isfinite(loss)
+        finite = step_is_finite(norm, loss)
         coef = clip_coefficient(norm, cfg.gradient_clipping)
         skip = ~finite
         if cfg.precision == "bf16" and not cfg.check_grad_overflow:

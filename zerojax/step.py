@@ -77,8 +77,9 @@ def make_train_step(loss_fn: Callable, state: TrainState, *, has_aux: bool = Fal
                               "Fix: drop fused_adam (optax's update computes in fp32 and stores bf16), or keep fp32 "
                               "states")
     # opt-in until the kernel's Triton lowering is measured inside the step on a GPU
-    if fused_adam and not fused_adam_ok(state.opt_state):
-        raise StepOptionError("fused_adam=True needs tx=optax.inject_hyperparams(optax.adamw)(...) with no mask and "
-                              "eps_root=0: the fused kernel updates AdamW's moments in place.")
+    if fused_adam and not fused_adam_ok(state.tx):
+        raise StepOptionError("fused_adam=True needs Adam or AdamW (optax.adam / optax.adamw with constant settings, "
+                              "or optax.inject_hyperparams of them) with bias correction, no mask, eps_root=0 and fp32 "
+                              "moments: the fused kernel computes exactly that update.")
     return build_device_step(loss_fn, state, has_aux=has_aux, donate=donate, check_errors=check_errors,
                              fused_adam=fused_adam, fused_block_size=fused_block_size)

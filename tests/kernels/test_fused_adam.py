@@ -154,7 +154,7 @@ def test_fused_step_check_catches_an_inverted_clip_coefficient(monkeypatch):
         check_fused_step(1, "fp32")
 
 
-def test_fused_step_needs_inject_hyperparams_adamw():
-    state = zj.shard_train_state(init_params(jax.random.PRNGKey(0)), optax.adamw(1e-2), config=zj.ZeroConfig(stage=2))
-    with pytest.raises(ValueError, match="inject_hyperparams"):
+def test_fused_step_needs_adam():
+    state = zj.shard_train_state(init_params(jax.random.PRNGKey(0)), optax.sgd(1e-2), config=zj.ZeroConfig(stage=2))
+    with pytest.raises(ValueError, match="Adam or AdamW"):
         zj.make_train_step(loss_fn, state, fused_adam=True)

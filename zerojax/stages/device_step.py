@@ -28,6 +28,7 @@ from zerojax.offload.host_update import host_apply_fn
 from zerojax.offload.partial import check_split
 from zerojax.plan import DEVICE, ZeroPlan
 from zerojax.precision import global_norm, step_is_finite
+from zerojax.stages.adam import adam_recipe, gated_adam
 from zerojax.stages.gradients import grads_fn
 from zerojax.stages.update import clip_coefficient, find_learning_rate, master_view, optax_update, params_from_master
 from zerojax.state import TrainState, state_shardings
@@ -44,6 +45,9 @@ def _update_fn(loss_fn: Callable, plan: ZeroPlan, tx, has_aux: bool, fused_adam:
     split = plan.partial_offload  # offload_ratio < 1: some params' state on the host, the rest here
 
     host_apply = compute_on_host(host_apply_fn(plan, tx)) if plan.host_update else None
+    # Adam/AdamW on fp32 states: one gated pass, no select over the state (stages/adam.py)
+    recipe = adam_recipe(tx)
+    gated = None if (fused_adam or cfg.master_weights_dtype or cfg.optimizer_state_dtype) else recipe
 
     def on_host(state, scaled, grads, scale, coef, skip, key):
         # ZeRO-Offload: the (still loss-scaled) gradients travel to the host in the compute
@@ -83,9 +87,14 @@ def _update_fn(loss_fn: Callable, plan: ZeroPlan, tx, has_aux: bool, fused_adam:
                               master=plan.fetch(state.master, homes.master),
                               opt_state=plan.fetch(state.opt_state, homes.opt_state))
 
+        if gated is not None:
+            master, opt_state = gated_adam(gated, tx, master_view(plan, state), grads, state.opt_state, ~skip)
+            return (params_from_master(plan, master), plan.put_back(master if plan.has_master else None, homes.master),
+                    plan.put_back(opt_state, homes.opt_state))
+
         def apply(_):
             if fused_adam:
-                params_c, master, opt_state = fused_adamw_update(plan, tx, master_view(plan, state),
+                params_c, master, opt_state = fused_adamw_update(plan, tx, recipe, master_view(plan, state),
                                                                  state.opt_state, grads, fused_block)
                 return params_from_master(plan, params_c), (master if plan.has_master else None), opt_state
             master, opt_state = optax_update(plan, tx, master_view(plan, state), grads, state.opt_state, key)

@@ -67,11 +67,15 @@ def grads_fn(loss_fn: Callable, plan: ZeroPlan, has_aux: bool = False):
 
     def reduce_some(tree, select):
         """Reduce the leaves ``select`` picks into this device's partitions, in buckets of
-        reduce_bucket_size."""
+        reduce_bucket_size. One device: nothing to reduce (XLA would still copy the gradients)."""
+        if n == 1:
+            return tree
         return C.on_selected(plan, tree, select, lambda lays, xs: scatter(
             xs, lays, axis, n, int(cfg.reduce_bucket_size)))
 
     def all_reduce_some(tree, select):
+        if n == 1:
+            return tree
         return C.on_selected(plan, tree, select, lambda lays, xs: C.bucketed_all_reduce(
             xs, lays, axis, int(cfg.reduce_bucket_size)))
 

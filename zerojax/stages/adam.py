@@ -144,17 +144,16 @@ def _probe_constants(tx) -> Optional[dict]:
 
 
 def _probes(shape=(6,)):
-    """Probe states: ordinary values, and moments whose update is huge (a global clip or a
-    trust ratio downstream of Adam shows), at counts 0 and 4."""
+    """Probe states: ordinary values after four updates, and, at the first update, moments whose
+    update is huge (a global clip or a trust ratio downstream of Adam shows)."""
     rng = np.random.default_rng(0)
     # params small next to the step, so an lr off by 1e-6 shows in the new params
     ordinary = [rng.normal(size=shape) * 1e-5, rng.normal(size=shape), rng.normal(size=shape) * 0.1,
                 rng.random(shape) * 0.01 + 1e-4]
     extreme = [rng.normal(size=shape) * 1e-5, rng.normal(size=shape) * 1e-10, np.full(shape, 1.0),
                np.full(shape, 1e-20)]
-    for count in (0, 4):
-        for p, g, m, v in (ordinary, extreme):
-            yield count, *(jnp.asarray(a, jnp.float32) for a in (p, g, m, v))
+    for count, values in ((4, ordinary), (0, extreme)):
+        yield count, *(jnp.asarray(a, jnp.float32) for a in values)
 
 
 def _verified(recipe: AdamRecipe, tx) -> bool:

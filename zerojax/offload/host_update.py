@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from zerojax._compat import same_memory_space
 from zerojax.plan import ZeroPlan
+from zerojax.stages.adam import adam_recipe, gated_adam
 from zerojax.stages.update import optax_update
 
 __all__ = ["host_apply_fn"]
@@ -25,12 +26,22 @@ def host_apply_fn(plan: ZeroPlan, tx):
     With low-precision states the host keeps them in bf16 too (the bf16 params as the master,
     bf16 moments) and computes in fp32; ``key`` drives stochastic rounding."""
     f32 = jnp.float32
+    cfg = plan.config
+    # Adam/AdamW on fp32 states: the gated pass (zerojax/stages/adam.py), no select over the state
+    low = cfg.master_weights_dtype or cfg.optimizer_state_dtype
+    recipe = None if (low or plan.partial_offload) else adam_recipe(tx)
 
     def host_apply(grads, master, opt_state, scale, coef, skip, key=None):
         grads = jax.tree_util.tree_map(lambda g: g.astype(f32) / scale / coef, grads)
-        new_master, new_opt = optax_update(plan, tx, master, grads, opt_state, key)
-        keep = functools.partial(jax.tree_util.tree_map, lambda o, n: jnp.where(skip, o, same_memory_space(n, o)))
-        new_master, new_opt = keep(master, new_master), keep(opt_state, new_opt)
+        # values the optimizer makes from constants are typed as device values: home them
+        home = functools.partial(jax.tree_util.tree_map, same_memory_space)
+        if recipe is not None:
+            new_master, new_opt = gated_adam(recipe, tx, master, grads, opt_state, ~skip)
+            new_master, new_opt = home(new_master, master), home(new_opt, opt_state)
+        else:
+            new_master, new_opt = optax_update(plan, tx, master, grads, opt_state, key)
+            keep = functools.partial(jax.tree_util.tree_map, lambda o, n: jnp.where(skip, o, same_memory_space(n, o)))
+            new_master, new_opt = keep(master, new_master), keep(opt_state, new_opt)
         new_params = jax.tree_util.tree_map(lambda x: x.astype(plan.compute_dtype), new_master)
         return new_params, (new_master if plan.has_master else None), new_opt
 

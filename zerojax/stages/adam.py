@@ -26,7 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from optax._src.numerics import safe_increment
+
+from zerojax._compat import same_memory_space
 
 __all__ = ["AdamRecipe", "adam_node", "adam_recipe", "gated_adam", "replace_adam_node", "step_hyperparams"]
 
@@ -91,7 +92,7 @@ def gated_adam(recipe: AdamRecipe, tx, params, grads, opt_state, apply):
     lr, b1, b2, eps, wd = (hp[k] for k in _HP_KEYS)
     eps_root = hp.get("eps_root", 0.0)
     node = adam_node(opt_state)
-    count = safe_increment(node.count)  # bias correction as if applied: finite either way
+    count = optax.safe_increment(node.count)  # bias correction as if applied: finite either way
     one = jnp.float32(1.0)
     keep1, keep2 = jnp.where(apply, b1, one), jnp.where(apply, b2, one)
     take1, take2 = jnp.where(apply, 1 - b1, 0.0), jnp.where(apply, 1 - b2, 0.0)
@@ -99,7 +100,7 @@ def gated_adam(recipe: AdamRecipe, tx, params, grads, opt_state, apply):
     bc1, bc2 = 1 - b1 ** count, 1 - b2 ** count
 
     def leaf(p, g, m, v):
-        g = jnp.where(apply, g, jnp.zeros((), g.dtype))
+        g = jnp.where(apply, g, same_memory_space(jnp.zeros((), g.dtype), g))  # on the host too
         m = take1 * g + keep1 * m
         v = take2 * (g ** 2) + keep2 * v
         u = (m / bc1.astype(m.dtype)) / (jnp.sqrt(v / bc2.astype(v.dtype) + eps_root) + eps)
@@ -109,7 +110,7 @@ def gated_adam(recipe: AdamRecipe, tx, params, grads, opt_state, apply):
     out = jax.tree_util.tree_map(leaf, params, grads, node.mu, node.nu)
     pick = lambda i: jax.tree_util.tree_map(lambda _, o: o[i], params, out)  # noqa: E731
     # the scalars (counts, hyperparameters) advance only on an applied step
-    scalars = jax.tree_util.tree_map(lambda new, old: jnp.where(apply, new, old), after, before)
+    scalars = jax.tree_util.tree_map(lambda new, old: jnp.where(apply, same_memory_space(new, old), old), after, before)
     return pick(0), replace_adam_node(scalars, adam_node(scalars)._replace(mu=pick(1), nu=pick(2)))
 
 

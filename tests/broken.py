@@ -33,4 +33,4 @@ def update_without_master(monkeypatch) -> None:
     for module in (device_step, host_update):
         monkeypatch.setattr(module, "optax_update", broken)
     # the gated Adam pass would bypass optax_update: keep the device step on the general path
-    monkeypatch.setattr(device_step, "adam_recipe", lambda tx: None)
+    monkeypatch.setattr(device_step, "gated_recipe", lambda tx: None)

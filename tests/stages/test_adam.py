@@ -93,12 +93,14 @@ def _copies_of(compiled_text, shape):
     return len(re.findall(rf"f32\[{shape}\]\S* copy\(", entry))
 
 
-def test_compiled_step_copies_no_moment():
+@pytest.mark.parametrize("make_tx", [lambda: optax.adamw(1e-3, weight_decay=0.01),
+                                     lambda: optax.sgd(1e-3, momentum=0.9)], ids=["adamw", "sgd-momentum"])
+def test_compiled_step_copies_no_moment(make_tx):
     """Stage 0 on one device: the step's program copies no more param-sized buffers than
     ``jit`` of the bare optax update does (a select over the state made XLA copy each moment)."""
     shape = (256, 128)
     params = {"w": jnp.zeros(shape), "v": jnp.zeros(shape)}
-    tx = optax.adamw(1e-3, weight_decay=0.01)
+    tx = make_tx()
 
     def loss(p, batch):
         return jnp.sum(jnp.tanh(batch["x"] @ p["w"]) * (batch["x"] @ p["v"]))

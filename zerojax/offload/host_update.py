@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from zerojax._compat import same_memory_space
 from zerojax.plan import ZeroPlan
-from zerojax.stages.adam import adam_recipe, gated_adam
+from zerojax.stages.gated import gated_recipe, gated_update
 from zerojax.stages.update import optax_update
 
 __all__ = ["host_apply_fn"]
@@ -27,16 +27,16 @@ def host_apply_fn(plan: ZeroPlan, tx):
     bf16 moments) and computes in fp32; ``key`` drives stochastic rounding."""
     f32 = jnp.float32
     cfg = plan.config
-    # Adam/AdamW on fp32 states: the gated pass (zerojax/stages/adam.py), no select over the state
+    # Adam/AdamW, SGD momentum on fp32 states: the gated pass (zerojax/stages/gated.py), no select
     low = cfg.master_weights_dtype or cfg.optimizer_state_dtype
-    recipe = None if (low or plan.partial_offload) else adam_recipe(tx)
+    recipe = None if (low or plan.partial_offload) else gated_recipe(tx)
 
     def host_apply(grads, master, opt_state, scale, coef, skip, key=None):
         grads = jax.tree_util.tree_map(lambda g: g.astype(f32) / scale / coef, grads)
         # values the optimizer makes from constants are typed as device values: home them
         home = functools.partial(jax.tree_util.tree_map, same_memory_space)
         if recipe is not None:
-            new_master, new_opt = gated_adam(recipe, tx, master, grads, opt_state, ~skip)
+            new_master, new_opt = gated_update(recipe, tx, master, grads, opt_state, ~skip)
             new_master, new_opt = home(new_master, master), home(new_opt, opt_state)
         else:
             new_master, new_opt = optax_update(plan, tx, master, grads, opt_state, key)

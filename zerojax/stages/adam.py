@@ -29,7 +29,8 @@ import optax
 
 from zerojax._compat import same_memory_space
 
-__all__ = ["AdamRecipe", "adam_node", "adam_recipe", "gated_adam", "replace_adam_node", "step_hyperparams"]
+__all__ = ["AdamRecipe", "adam_node", "adam_recipe", "find_node", "gated_adam", "replace_adam_node", "scalar_step",
+           "select_scalars", "step_hyperparams", "zero_unless", "agrees_with_optax"]
 
 _HP_KEYS = ("learning_rate", "b1", "b2", "eps", "weight_decay")
 
@@ -38,40 +39,60 @@ def _is_empty(x) -> bool:
     return isinstance(x, optax.EmptyState)
 
 
-def _chain_of_adam(chain) -> bool:
-    return (isinstance(chain, tuple) and bool(chain) and isinstance(chain[0], optax.ScaleByAdamState)
-            and all(map(_is_empty, chain[1:])))
+def _chain_of(chain, cls) -> bool:
+    return isinstance(chain, tuple) and bool(chain) and isinstance(chain[0], cls) and all(map(_is_empty, chain[1:]))
+
+
+def find_node(opt_state, cls, hp_keys):
+    """The ``cls`` state of a ``chain(<cls's transformation>, <stateless>...)`` state, bare or
+    inside ``optax.inject_hyperparams`` (with ``hp_keys`` injected); None for anything else."""
+    hp = getattr(opt_state, "hyperparams", None)
+    if hp is not None:
+        inner = getattr(opt_state, "inner_state", None)
+        if isinstance(hp, dict) and set(hp_keys) <= set(hp) and _chain_of(inner, cls):
+            return inner[0]
+        return None
+    return opt_state[0] if _chain_of(opt_state, cls) else None
 
 
 def adam_node(opt_state) -> Optional[optax.ScaleByAdamState]:
     """The ScaleByAdamState of a ``chain(scale_by_adam, <stateless>...)`` state, bare or inside
     ``optax.inject_hyperparams`` (with Adam's settings injected); None for anything else."""
-    hp = getattr(opt_state, "hyperparams", None)
-    if hp is not None:
-        inner = getattr(opt_state, "inner_state", None)
-        if isinstance(hp, dict) and set(_HP_KEYS) <= set(hp) and _chain_of_adam(inner):
-            return inner[0]
-        return None
-    return opt_state[0] if _chain_of_adam(opt_state) else None
+    return find_node(opt_state, optax.ScaleByAdamState, _HP_KEYS)
 
 
 def replace_adam_node(opt_state, node):
-    """``opt_state`` with its ScaleByAdamState replaced by ``node``."""
+    """``opt_state`` with the state of its chain's first transformation replaced by ``node``."""
     if getattr(opt_state, "hyperparams", None) is not None:
         return opt_state._replace(inner_state=(node,) + tuple(opt_state.inner_state[1:]))
     return (node,) + tuple(opt_state[1:])
 
 
-def step_hyperparams(tx, opt_state):
+def scalar_step(tx, opt_state, node, moments):
     """``(hyperparams, before, after)`` for one update of ``opt_state`` without touching the
-    moments: ``tx`` runs on a copy whose moments are scalars (``before``), so counts, injected
-    hyperparameters and schedules advance (``after``) exactly as optax's would.
-    ``hyperparams`` (None unless injected) are the values this step uses."""
-    node = adam_node(opt_state)
-    zeros = jax.tree_util.tree_map(lambda _: jnp.zeros((), jnp.float32), node.mu)
-    before = replace_adam_node(opt_state, node._replace(mu=zeros, nu=zeros))
+    moments (``node``'s fields named in ``moments``): ``tx`` runs on a copy whose moments are
+    scalars (``before``), so counts, injected hyperparameters and schedules advance (``after``)
+    exactly as optax's would. ``hyperparams`` (None unless injected) are the values this step
+    uses."""
+    zeros = jax.tree_util.tree_map(lambda _: jnp.zeros((), jnp.float32), getattr(node, moments[0]))
+    before = replace_adam_node(opt_state, node._replace(**{m: zeros for m in moments}))
     _, after = tx.update(zeros, before, zeros)
     return getattr(after, "hyperparams", None), before, after
+
+
+def step_hyperparams(tx, opt_state):
+    """:func:`scalar_step` of an Adam state."""
+    return scalar_step(tx, opt_state, adam_node(opt_state), ("mu", "nu"))
+
+
+def select_scalars(apply, after, before):
+    """The scalars (counts, hyperparameters) of ``after`` where ``apply``, else ``before``'s."""
+    return jax.tree_util.tree_map(lambda new, old: jnp.where(apply, same_memory_space(new, old), old), after, before)
+
+
+def zero_unless(apply, g):
+    """``g``, or zeros where ``apply`` is false (typed in ``g``'s memory space: on the host too)."""
+    return jnp.where(apply, g, same_memory_space(jnp.zeros((), g.dtype), g))
 
 
 @dataclass(frozen=True)
@@ -100,7 +121,7 @@ def gated_adam(recipe: AdamRecipe, tx, params, grads, opt_state, apply):
     bc1, bc2 = 1 - b1 ** count, 1 - b2 ** count
 
     def leaf(p, g, m, v):
-        g = jnp.where(apply, g, same_memory_space(jnp.zeros((), g.dtype), g))  # on the host too
+        g = zero_unless(apply, g)
         m = take1 * g + keep1 * m
         v = take2 * (g ** 2) + keep2 * v
         u = (m / bc1.astype(m.dtype)) / (jnp.sqrt(v / bc2.astype(v.dtype) + eps_root) + eps)
@@ -110,7 +131,7 @@ def gated_adam(recipe: AdamRecipe, tx, params, grads, opt_state, apply):
     out = jax.tree_util.tree_map(leaf, params, grads, node.mu, node.nu)
     pick = lambda i: jax.tree_util.tree_map(lambda _, o: o[i], params, out)  # noqa: E731
     # the scalars (counts, hyperparameters) advance only on an applied step
-    scalars = jax.tree_util.tree_map(lambda new, old: jnp.where(apply, same_memory_space(new, old), old), after, before)
+    scalars = select_scalars(apply, after, before)
     return pick(0), replace_adam_node(scalars, adam_node(scalars)._replace(mu=pick(1), nu=pick(2)))
 
 
@@ -168,15 +189,24 @@ def _verified(recipe: AdamRecipe, tx) -> bool:
                                                    nu={"x": v}))
         if hasattr(state, "count") and hasattr(state, "hyperparams"):
             state = state._replace(count=jnp.asarray(count, state.count.dtype))
-        u, want = tx.update(grads, state, params)
-        got_p, got = gated_adam(recipe, tx, params, grads, state, jnp.asarray(True))
-        pairs = [(optax.apply_updates(params, u)["x"], got_p["x"]), (adam_node(want).mu["x"], adam_node(got).mu["x"]),
-                 (adam_node(want).nu["x"], adam_node(got).nu["x"])]
-        pairs += list(zip(jax.tree_util.tree_leaves(want), jax.tree_util.tree_leaves(got)))
-        for a, b in pairs:
-            a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-            if a.shape != b.shape or not np.allclose(a, b, rtol=1e-6, atol=0):
-                return False
+        if not agrees_with_optax(tx, lambda *a: gated_adam(recipe, tx, *a), params, grads, state):
+            return False
+    return True
+
+
+def agrees_with_optax(tx, gated, params, grads, state) -> bool:
+    """Whether ``gated(params, grads, state, True)`` gives the params and state (every leaf) that
+    ``tx.update`` and ``optax.apply_updates`` give, to 1e-6."""
+    u, want = tx.update(grads, state, params)
+    got_p, got = gated(params, grads, state, jnp.asarray(True))
+    pairs = list(zip(jax.tree_util.tree_leaves((optax.apply_updates(params, u), want)),
+                     jax.tree_util.tree_leaves((got_p, got))))
+    if len(pairs) != len(jax.tree_util.tree_leaves((params, want))):
+        return False
+    for a, b in pairs:
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        if a.shape != b.shape or not np.allclose(a, b, rtol=1e-6, atol=0):
+            return False
     return True
 
 

@@ -28,7 +28,8 @@ from zerojax.offload.host_update import host_apply_fn
 from zerojax.offload.partial import check_split
 from zerojax.plan import DEVICE, ZeroPlan
 from zerojax.precision import global_norm, step_is_finite
-from zerojax.stages.adam import adam_recipe, gated_adam
+from zerojax.stages.adam import adam_recipe
+from zerojax.stages.gated import gated_recipe, gated_update
 from zerojax.stages.gradients import grads_fn
 from zerojax.stages.update import clip_coefficient, find_learning_rate, master_view, optax_update, params_from_master
 from zerojax.state import TrainState, state_shardings
@@ -45,9 +46,9 @@ def _update_fn(loss_fn: Callable, plan: ZeroPlan, tx, has_aux: bool, fused_adam:
     split = plan.partial_offload  # offload_ratio < 1: some params' state on the host, the rest here
 
     host_apply = compute_on_host(host_apply_fn(plan, tx)) if plan.host_update else None
-    # Adam/AdamW on fp32 states: one gated pass, no select over the state (stages/adam.py)
-    recipe = adam_recipe(tx)
-    gated = None if (fused_adam or cfg.master_weights_dtype or cfg.optimizer_state_dtype) else recipe
+    # Adam/AdamW, SGD momentum on fp32 states: one gated pass, no select over the state (stages/gated.py)
+    recipe = adam_recipe(tx) if fused_adam else None
+    gated = None if (fused_adam or cfg.master_weights_dtype or cfg.optimizer_state_dtype) else gated_recipe(tx)
 
     def on_host(state, scaled, grads, scale, coef, skip, key):
         # ZeRO-Offload: the (still loss-scaled) gradients travel to the host in the compute
@@ -88,7 +89,7 @@ def _update_fn(loss_fn: Callable, plan: ZeroPlan, tx, has_aux: bool, fused_adam:
                               opt_state=plan.fetch(state.opt_state, homes.opt_state))
 
         if gated is not None:
-            master, opt_state = gated_adam(gated, tx, master_view(plan, state), grads, state.opt_state, ~skip)
+            master, opt_state = gated_update(gated, tx, master_view(plan, state), grads, state.opt_state, ~skip)
             return (params_from_master(plan, master), plan.put_back(master if plan.has_master else None, homes.master),
                     plan.put_back(opt_state, homes.opt_state))
 

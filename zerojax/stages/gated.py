@@ -1,0 +1,20 @@
+"""The gated update passes: optimizers whose overflow skip enters the coefficients instead of a
+select over the state (Adam/AdamW: :mod:`zerojax.stages.adam`; SGD with momentum:
+:mod:`zerojax.stages.momentum`). ``gated_recipe(tx)`` is None for every other optimizer."""
+from __future__ import annotations
+
+from zerojax.stages.adam import AdamRecipe, adam_recipe, gated_adam
+from zerojax.stages.momentum import gated_momentum, momentum_recipe
+
+__all__ = ["gated_recipe", "gated_update"]
+
+
+def gated_recipe(tx):
+    """How to update ``tx`` as a gated pass, or None (the general select path)."""
+    return adam_recipe(tx) or momentum_recipe(tx)
+
+
+def gated_update(recipe, tx, params, grads, opt_state, apply):
+    """``(params, opt_state)`` updated where ``apply``, exactly unchanged where not."""
+    update = gated_adam if isinstance(recipe, AdamRecipe) else gated_momentum
+    return update(recipe, tx, params, grads, opt_state, apply)

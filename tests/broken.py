@@ -32,5 +32,6 @@ def update_without_master(monkeypatch) -> None:
 
     for module in (device_step, host_update):
         monkeypatch.setattr(module, "optax_update", broken)
-    # the gated Adam pass would bypass optax_update: keep the device step on the general path
-    monkeypatch.setattr(device_step, "gated_recipe", lambda tx: None)
+    # the gated passes would bypass optax_update: keep both updates on the general path
+    for module in (device_step, host_update):
+        monkeypatch.setattr(module, "gated_recipe", lambda tx: None)

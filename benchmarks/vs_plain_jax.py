@@ -50,16 +50,12 @@ OPTIMIZERS = {"adamw": lambda: optax.adamw(1e-4, weight_decay=0.01),
               # no gated pass for these: the overflow skip is a select over the state
               "lion": lambda: optax.lion(1e-5, weight_decay=0.01),
               "sgd-momentum": lambda: optax.sgd(1e-3, momentum=0.9)}
-TX = ["adamw"]
+tx = OPTIMIZERS["adamw"]  # the GPT cases' optimizer
 
 
-def tx():
-    return OPTIMIZERS[TX[0]]()
-
-
-def plain_step(loss, params_sh, opt_sh, batch_sh):
+def plain_step(loss, params_sh, opt_sh, batch_sh, make_tx=tx):
     """The user's jitted step: params and optimizer state donated, outputs in input order."""
-    opt = tx()
+    opt = make_tx()
 
     @functools.partial(jax.jit, in_shardings=(params_sh, opt_sh, batch_sh), out_shardings=(params_sh, opt_sh, None),
                        donate_argnums=(0, 1))
@@ -82,10 +78,10 @@ def fsdp_spec(x, n: int) -> P:
 
 
 class Plain:
-    def __init__(self, mode, mesh, init, loss):
+    def __init__(self, mode, mesh, init, loss, make_tx=tx):
         n = mesh.shape["data"]
         shapes = jax.eval_shape(init)
-        opt_shapes = jax.eval_shape(tx().init, shapes)
+        opt_shapes = jax.eval_shape(make_tx().init, shapes)
         if mode == "ddp":
             spec = lambda x: P()  # noqa: E731
         else:
@@ -94,8 +90,8 @@ class Plain:
         opt_sh = jax.tree_util.tree_map(lambda x: NamedSharding(mesh, spec(x)), opt_shapes)
         self.batch_sh = NamedSharding(mesh, P("data"))
         self.params = jax.jit(init, out_shardings=params_sh)()
-        self.opt_state = jax.jit(tx().init, out_shardings=opt_sh)(self.params)
-        self.fn = plain_step(loss, params_sh, opt_sh, self.batch_sh)
+        self.opt_state = jax.jit(make_tx().init, out_shardings=opt_sh)(self.params)
+        self.fn = plain_step(loss, params_sh, opt_sh, self.batch_sh, make_tx)
         self.shardings = (params_sh, opt_sh)
 
     def park(self):  # to host memory (numpy), freeing the devices' buffers
@@ -115,9 +111,9 @@ class Plain:
 
 
 class Zero:
-    def __init__(self, stage, mesh, init, loss):
+    def __init__(self, stage, mesh, init, loss, make_tx=tx):
         config = zj.ZeroConfig(stage=stage, param_persistence_threshold=0)
-        self.state = zj.shard_train_state(lambda _: init(), tx(), mesh=mesh, config=config)
+        self.state = zj.shard_train_state(lambda _: init(), make_tx(), mesh=mesh, config=config)
         self.step = zj.make_train_step(loss, self.state)
         self.shardings = self.state.shardings
 
@@ -235,13 +231,12 @@ def optimizer_bound_case(args):
     batch = {"x": np.ones((1, 4096), np.float32)}
     total = sum(r * 4096 for r in widths)
     for name in args.opt_tx:
-        TX[0] = name
-        contenders = {"jit": Plain("ddp", mesh, init, loss), "s0": Zero(0, mesh, init, loss)}
+        make_tx = OPTIMIZERS[name]
+        contenders = {"jit": Plain("ddp", mesh, init, loss, make_tx), "s0": Zero(0, mesh, init, loss, make_tx)}
         ms = time_all(contenders, batch, args.rounds, args.steps)
         del contenders
         report(f"optimizer-bound: one device, {total / 1e6:.1f}M fp32 params, {name}", ms,
                {"s0/jit": (ms["s0"] / ms["jit"], 1.05)})
-    TX[0] = "adamw"
 
 
 def main():

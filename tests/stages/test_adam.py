@@ -51,21 +51,39 @@ def _grads(i):
     return {"w": jnp.asarray(rng.normal(size=(8, 5)), jnp.float32), "b": jnp.asarray(rng.normal(size=(5,)), jnp.float32)}
 
 
+def assert_trains_as_optax(gated, recipe, tx, moved):
+    """Six applied steps of ``gated`` against ``tx.update`` from the same start: every leaf of params
+    and state equal, and the params moved by more than ``moved``."""
+    params, state = _params(), tx.init(_params())
+    ref_p, ref_s = params, state
+    for i in range(6):
+        params, state = gated(recipe, tx, params, _grads(i), state, jnp.asarray(True))
+        u, ref_s = tx.update(_grads(i), ref_s, ref_p)
+        ref_p = optax.apply_updates(ref_p, u)
+    for a, b in zip(jax.tree_util.tree_leaves((params, state)), jax.tree_util.tree_leaves((ref_p, ref_s))):
+        # moments bit for bit; params within an ulp or two (a probed eps is the user's to ~1e-7)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=2.5e-7)
+    assert np.abs(np.asarray(params["w"]) - np.asarray(_params()["w"])).max() > moved  # it trained
+
+
+def assert_skip_is_exact(gated, recipe, tx):
+    """One applied step, then a skipped one (under jit) with nan and inf gradients: params and
+    state exactly as after the first. Returns the state after the skip."""
+    params, state = gated(recipe, tx, _params(), _grads(0), tx.init(_params()), jnp.asarray(True))
+    bad = jax.tree_util.tree_map(lambda g: g.at[0].set(jnp.nan), _grads(1))
+    bad["b"] = bad["b"].at[1].set(jnp.inf)
+    new_p, new_s = jax.jit(lambda *a: gated(recipe, tx, *a))(params, bad, state, jnp.asarray(False))
+    for a, b in zip(jax.tree_util.tree_leaves((new_p, new_s)), jax.tree_util.tree_leaves((params, state))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    return new_s
+
+
 @pytest.mark.parametrize("name", sorted(TAKEN))
 def test_taken_and_equal_to_optax(name):
     tx = TAKEN[name]()
     recipe = adam_recipe(tx)
     assert recipe is not None
-    params, state = _params(), tx.init(_params())
-    ref_p, ref_s = params, state
-    for i in range(6):
-        params, state = gated_adam(recipe, tx, params, _grads(i), state, jnp.asarray(True))
-        u, ref_s = tx.update(_grads(i), ref_s, ref_p)
-        ref_p = optax.apply_updates(ref_p, u)
-    for a, b in zip(jax.tree_util.tree_leaves((params, state)), jax.tree_util.tree_leaves((ref_p, ref_s))):
-        # moments bit for bit; params within an ulp or two (the probed eps is the user's to ~1e-7)
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=2.5e-7)
-    assert np.abs(np.asarray(params["w"]) - np.asarray(_params()["w"])).max() > 1e-4  # it trained
+    assert_trains_as_optax(gated_adam, recipe, tx, moved=1e-4)
 
 
 @pytest.mark.parametrize("name", sorted(REFUSED))
@@ -76,15 +94,8 @@ def test_refused(name):
 @pytest.mark.parametrize("name", ["adamw", "injected-schedule"])
 def test_skipped_step_leaves_everything_exactly(name):
     tx = TAKEN[name]()
-    recipe = adam_recipe(tx)
-    params, state = _params(), tx.init(_params())
-    params, state = gated_adam(recipe, tx, params, _grads(0), state, jnp.asarray(True))
-    bad = jax.tree_util.tree_map(lambda g: g.at[0].set(jnp.nan), _grads(1))
-    bad["b"] = bad["b"].at[1].set(jnp.inf)
-    new_p, new_s = jax.jit(lambda *a: gated_adam(recipe, tx, *a))(params, bad, state, jnp.asarray(False))
-    for a, b in zip(jax.tree_util.tree_leaves((new_p, new_s)), jax.tree_util.tree_leaves((params, state))):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    assert int(adam_node(new_s).count) == 1
+    state = assert_skip_is_exact(gated_adam, adam_recipe(tx), tx)
+    assert int(adam_node(state).count) == 1
 
 
 def _copies_of(compiled_text, shape):

@@ -9,7 +9,7 @@ import pytest
 import zerojax as zj
 from zerojax.stages.gated import gated_recipe
 from zerojax.stages.momentum import MomentumRecipe, gated_momentum, momentum_recipe
-from tests.stages.test_adam import _grads, _params
+from tests.stages.test_adam import _params, assert_skip_is_exact, assert_trains_as_optax
 
 TAKEN = {
     "sgd-momentum": lambda: optax.sgd(1e-2, momentum=0.9),
@@ -31,15 +31,7 @@ def test_taken_and_equal_to_optax(name):
     tx = TAKEN[name]()
     recipe = momentum_recipe(tx)
     assert isinstance(recipe, MomentumRecipe) and isinstance(gated_recipe(tx), MomentumRecipe)
-    params, state = _params(), tx.init(_params())
-    ref_p, ref_s = params, state
-    for i in range(6):
-        params, state = gated_momentum(recipe, tx, params, _grads(i), state, jnp.asarray(True))
-        u, ref_s = tx.update(_grads(i), ref_s, ref_p)
-        ref_p = optax.apply_updates(ref_p, u)
-    for a, b in zip(jax.tree_util.tree_leaves((params, state)), jax.tree_util.tree_leaves((ref_p, ref_s))):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=2.5e-7)
-    assert np.abs(np.asarray(params["w"]) - np.asarray(_params()["w"])).max() > 1e-3  # it trained
+    assert_trains_as_optax(gated_momentum, recipe, tx, moved=1e-3)
 
 
 @pytest.mark.parametrize("name", sorted(REFUSED))
@@ -50,12 +42,7 @@ def test_refused(name):
 @pytest.mark.parametrize("name", ["sgd-momentum", "injected-schedule"])
 def test_skipped_step_leaves_everything_exactly(name):
     tx = TAKEN[name]()
-    recipe = momentum_recipe(tx)
-    params, state = gated_momentum(recipe, tx, _params(), _grads(0), tx.init(_params()), jnp.asarray(True))
-    bad = jax.tree_util.tree_map(lambda g: g.at[0].set(jnp.nan), _grads(1))
-    new_p, new_s = jax.jit(lambda *a: gated_momentum(recipe, tx, *a))(params, bad, state, jnp.asarray(False))
-    for a, b in zip(jax.tree_util.tree_leaves((new_p, new_s)), jax.tree_util.tree_leaves((params, state))):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert_skip_is_exact(gated_momentum, momentum_recipe(tx), tx)
 
 
 @pytest.mark.parametrize("stage", [0, 2, 3])

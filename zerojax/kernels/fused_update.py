@@ -6,7 +6,8 @@ import jax.numpy as jnp
 from zerojax._compat import shard_map
 from zerojax.kernels.fused_adam import fused_adamw
 from zerojax.plan import ZeroPlan
-from zerojax.stages.adam import adam_node, adam_recipe, replace_adam_node, step_hyperparams
+from zerojax.stages.adam import adam_node, adam_recipe, step_hyperparams
+from zerojax.stages.gating import replace_node
 
 __all__ = ["fused_adam_ok", "fused_adamw_update"]
 
@@ -46,4 +47,4 @@ def fused_adamw_update(plan: ZeroPlan, tx, recipe, master, opt_state, grads, blo
 
     sm = shard_map(body, plan.mesh, in_specs=(specs,) * 4, out_specs=(specs,) * 4, manual_axes={axis})
     master, mu, nu, params_c = sm(master, adam.mu, adam.nu, grads)
-    return params_c, master, replace_adam_node(new_tiny, adam_node(new_tiny)._replace(mu=mu, nu=nu))
+    return params_c, master, replace_node(new_tiny, adam_node(new_tiny)._replace(mu=mu, nu=nu))

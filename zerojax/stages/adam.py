@@ -18,7 +18,6 @@ extreme ones included, before it is used; anything else keeps the general select
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -27,32 +26,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from zerojax._compat import same_memory_space
+from zerojax.stages.gating import (agrees_with_optax, find_node, per_transformation, recognise, replace_node,
+                                   scalar_step, select_scalars, unzip_leaves, zero_unless)
 
-__all__ = ["AdamRecipe", "adam_node", "adam_recipe", "find_node", "gated_adam", "replace_adam_node", "scalar_step",
-           "select_scalars", "step_hyperparams", "zero_unless", "agrees_with_optax"]
+__all__ = ["AdamRecipe", "adam_node", "adam_recipe", "gated_adam", "step_hyperparams"]
 
 _HP_KEYS = ("learning_rate", "b1", "b2", "eps", "weight_decay")
-
-
-def _is_empty(x) -> bool:
-    return isinstance(x, optax.EmptyState)
-
-
-def _chain_of(chain, cls) -> bool:
-    return isinstance(chain, tuple) and bool(chain) and isinstance(chain[0], cls) and all(map(_is_empty, chain[1:]))
-
-
-def find_node(opt_state, cls, hp_keys):
-    """The ``cls`` state of a ``chain(<cls's transformation>, <stateless>...)`` state, bare or
-    inside ``optax.inject_hyperparams`` (with ``hp_keys`` injected); None for anything else."""
-    hp = getattr(opt_state, "hyperparams", None)
-    if hp is not None:
-        inner = getattr(opt_state, "inner_state", None)
-        if isinstance(hp, dict) and set(hp_keys) <= set(hp) and _chain_of(inner, cls):
-            return inner[0]
-        return None
-    return opt_state[0] if _chain_of(opt_state, cls) else None
 
 
 def adam_node(opt_state) -> Optional[optax.ScaleByAdamState]:
@@ -61,38 +40,9 @@ def adam_node(opt_state) -> Optional[optax.ScaleByAdamState]:
     return find_node(opt_state, optax.ScaleByAdamState, _HP_KEYS)
 
 
-def replace_adam_node(opt_state, node):
-    """``opt_state`` with the state of its chain's first transformation replaced by ``node``."""
-    if getattr(opt_state, "hyperparams", None) is not None:
-        return opt_state._replace(inner_state=(node,) + tuple(opt_state.inner_state[1:]))
-    return (node,) + tuple(opt_state[1:])
-
-
-def scalar_step(tx, opt_state, node, moments):
-    """``(hyperparams, before, after)`` for one update of ``opt_state`` without touching the
-    moments (``node``'s fields named in ``moments``): ``tx`` runs on a copy whose moments are
-    scalars (``before``), so counts, injected hyperparameters and schedules advance (``after``)
-    exactly as optax's would. ``hyperparams`` (None unless injected) are the values this step
-    uses."""
-    zeros = jax.tree_util.tree_map(lambda _: jnp.zeros((), jnp.float32), getattr(node, moments[0]))
-    before = replace_adam_node(opt_state, node._replace(**{m: zeros for m in moments}))
-    _, after = tx.update(zeros, before, zeros)
-    return getattr(after, "hyperparams", None), before, after
-
-
 def step_hyperparams(tx, opt_state):
     """:func:`scalar_step` of an Adam state."""
     return scalar_step(tx, opt_state, adam_node(opt_state), ("mu", "nu"))
-
-
-def select_scalars(apply, after, before):
-    """The scalars (counts, hyperparameters) of ``after`` where ``apply``, else ``before``'s."""
-    return jax.tree_util.tree_map(lambda new, old: jnp.where(apply, same_memory_space(new, old), old), after, before)
-
-
-def zero_unless(apply, g):
-    """``g``, or zeros where ``apply`` is false (typed in ``g``'s memory space: on the host too)."""
-    return jnp.where(apply, g, same_memory_space(jnp.zeros((), g.dtype), g))
 
 
 @dataclass(frozen=True)
@@ -129,10 +79,10 @@ def gated_adam(recipe: AdamRecipe, tx, params, grads, opt_state, apply):
         return (p + step * u).astype(p.dtype), m, v
 
     out = jax.tree_util.tree_map(leaf, params, grads, node.mu, node.nu)
-    pick = lambda i: jax.tree_util.tree_map(lambda _, o: o[i], params, out)  # noqa: E731
+    new_p, mu, nu = (unzip_leaves(params, out, i) for i in range(3))
     # the scalars (counts, hyperparameters) advance only on an applied step
     scalars = select_scalars(apply, after, before)
-    return pick(0), replace_adam_node(scalars, adam_node(scalars)._replace(mu=pick(1), nu=pick(2)))
+    return new_p, replace_node(scalars, adam_node(scalars)._replace(mu=mu, nu=nu))
 
 
 # ------------------------------------------------------------------ recognising
@@ -185,7 +135,7 @@ def _verified(recipe: AdamRecipe, tx) -> bool:
         node = adam_node(state)
         if node is None or node.mu["x"].dtype != jnp.float32 or node.nu["x"].dtype != jnp.float32:
             return False
-        state = replace_adam_node(state, node._replace(count=jnp.asarray(count, node.count.dtype), mu={"x": m},
+        state = replace_node(state, node._replace(count=jnp.asarray(count, node.count.dtype), mu={"x": m},
                                                    nu={"x": v}))
         if hasattr(state, "count") and hasattr(state, "hyperparams"):
             state = state._replace(count=jnp.asarray(count, state.count.dtype))
@@ -194,45 +144,8 @@ def _verified(recipe: AdamRecipe, tx) -> bool:
     return True
 
 
-def agrees_with_optax(tx, gated, params, grads, state) -> bool:
-    """Whether ``gated(params, grads, state, True)`` gives the params and state (every leaf) that
-    ``tx.update`` and ``optax.apply_updates`` give, to 1e-6."""
-    u, want = tx.update(grads, state, params)
-    got_p, got = gated(params, grads, state, jnp.asarray(True))
-    pairs = list(zip(jax.tree_util.tree_leaves((optax.apply_updates(params, u), want)),
-                     jax.tree_util.tree_leaves((got_p, got))))
-    if len(pairs) != len(jax.tree_util.tree_leaves((params, want))):
-        return False
-    for a, b in pairs:
-        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-        if a.shape != b.shape or not np.allclose(a, b, rtol=1e-6, atol=0):
-            return False
-    return True
-
-
+@per_transformation
 def adam_recipe(tx) -> Optional[AdamRecipe]:
     """An :class:`AdamRecipe` when ``tx`` is an Adam/AdamW this module reproduces exactly (checked
     on probes), else None (the caller keeps the general path). Remembered per transformation."""
-    try:
-        return _cached_recipe(tx)
-    except TypeError:  # unhashable transformation: probe it again
-        return _recipe(tx)
-
-
-@functools.lru_cache(maxsize=256)
-def _cached_recipe(tx) -> Optional[AdamRecipe]:
-    return _recipe(tx)
-
-
-def _recipe(tx) -> Optional[AdamRecipe]:
-    try:
-        state = tx.init({"x": jnp.zeros((6,), jnp.float32)})
-        if adam_node(state) is None:
-            return None
-        injected = getattr(state, "hyperparams", None) is not None
-        recipe = AdamRecipe(None if injected else _probe_constants(tx))
-        if not injected and recipe.constants is None:
-            return None
-        return recipe if _verified(recipe, tx) else None
-    except Exception:  # noqa: BLE001 - an optimizer the probes cannot drive keeps the general path
-        return None
+    return recognise(tx, adam_node, _probe_constants, _verified, AdamRecipe)

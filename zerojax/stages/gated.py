@@ -1,6 +1,7 @@
 """The gated update passes: optimizers whose overflow skip enters the coefficients instead of a
 select over the state (Adam/AdamW: :mod:`zerojax.stages.adam`; SGD with momentum:
-:mod:`zerojax.stages.momentum`). ``gated_recipe(tx)`` is None for every other optimizer."""
+:mod:`zerojax.stages.momentum`; what they share: :mod:`zerojax.stages.gating`).
+``gated_recipe(tx)`` is None for every other optimizer."""
 from __future__ import annotations
 
 from zerojax.stages.adam import AdamRecipe, adam_recipe, gated_adam

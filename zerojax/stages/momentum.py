@@ -9,7 +9,6 @@ general select path.
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -18,7 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from zerojax.stages.adam import agrees_with_optax, find_node, replace_adam_node, scalar_step, select_scalars, zero_unless
+from zerojax.stages.gating import (agrees_with_optax, find_node, per_transformation, recognise, replace_node,
+                                   scalar_step, select_scalars, unzip_leaves, zero_unless)
 
 __all__ = ["MomentumRecipe", "gated_momentum", "momentum_recipe"]
 
@@ -50,9 +50,9 @@ def gated_momentum(recipe: MomentumRecipe, tx, params, grads, opt_state, apply):
         return (p + step * t).astype(p.dtype), t
 
     out = jax.tree_util.tree_map(leaf, params, grads, node.trace)
-    pick = lambda i: jax.tree_util.tree_map(lambda _, o: o[i], params, out)  # noqa: E731
+    new_p, trace = (unzip_leaves(params, out, i) for i in range(2))
     scalars = select_scalars(apply, after, before)
-    return pick(0), replace_adam_node(scalars, _node(scalars)._replace(trace=pick(1)))
+    return new_p, replace_node(scalars, _node(scalars)._replace(trace=trace))
 
 
 def _probe_constants(tx) -> Optional[dict]:
@@ -60,7 +60,7 @@ def _probe_constants(tx) -> Optional[dict]:
     gives the trace ``[1, momentum]`` and the updates ``-lr`` times it."""
     p = {"x": jnp.zeros((2,), jnp.float32)}
     state = tx.init(p)
-    state = replace_adam_node(state, _node(state)._replace(trace={"x": jnp.array([0.0, 1.0], jnp.float32)}))
+    state = replace_node(state, _node(state)._replace(trace={"x": jnp.array([0.0, 1.0], jnp.float32)}))
     u, after = tx.update({"x": jnp.array([1.0, 0.0], jnp.float32)}, state, p)
     trace = np.asarray(_node(after).trace["x"], np.float64)
     lr = -float(np.asarray(u["x"], np.float64)[0]) / trace[0]
@@ -76,33 +76,14 @@ def _verified(recipe: MomentumRecipe, tx) -> bool:
         node = _node(state)
         if node is None or node.trace["x"].dtype != jnp.float32:
             return False
-        state = replace_adam_node(state, node._replace(trace={"x": jnp.asarray(rng.normal(size=6), jnp.float32)}))
+        state = replace_node(state, node._replace(trace={"x": jnp.asarray(rng.normal(size=6), jnp.float32)}))
         if not agrees_with_optax(tx, lambda *a: gated_momentum(recipe, tx, *a), params, grads, state):
             return False
     return True
 
 
+@per_transformation
 def momentum_recipe(tx) -> Optional[MomentumRecipe]:
     """A :class:`MomentumRecipe` when ``tx`` is an SGD with momentum this module reproduces
     exactly (checked on probes), else None."""
-    try:
-        return _cached(tx)
-    except TypeError:  # unhashable transformation
-        return _recipe(tx)
-
-
-@functools.lru_cache(maxsize=256)
-def _cached(tx):
-    return _recipe(tx)
-
-
-def _recipe(tx) -> Optional[MomentumRecipe]:
-    try:
-        state = tx.init({"x": jnp.zeros((2,), jnp.float32)})
-        if _node(state) is None:
-            return None
-        injected = getattr(state, "hyperparams", None) is not None
-        recipe = MomentumRecipe(None if injected else _probe_constants(tx))
-        return recipe if _verified(recipe, tx) else None
-    except Exception:  # noqa: BLE001 - an optimizer the probes cannot drive keeps the general path
-        return None
+    return recognise(tx, _node, _probe_constants, _verified, MomentumRecipe)

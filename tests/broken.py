@@ -34,4 +34,4 @@ def update_without_master(monkeypatch) -> None:
         monkeypatch.setattr(module, "optax_update", broken)
     # the gated passes would bypass optax_update: keep both updates on the general path
     for module in (device_step, host_update):
-        monkeypatch.setattr(module, "gated_recipe", lambda tx: None)
+        monkeypatch.setattr(module, "plan_recipe", lambda plan, tx: None)

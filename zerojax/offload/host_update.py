@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from zerojax._compat import same_memory_space
 from zerojax.plan import ZeroPlan
-from zerojax.stages.gated import gated_recipe, gated_update
+from zerojax.stages.gated import gated_update, plan_recipe
 from zerojax.stages.update import optax_update
 
 __all__ = ["host_apply_fn"]
@@ -26,10 +26,8 @@ def host_apply_fn(plan: ZeroPlan, tx):
     With low-precision states the host keeps them in bf16 too (the bf16 params as the master,
     bf16 moments) and computes in fp32; ``key`` drives stochastic rounding."""
     f32 = jnp.float32
-    cfg = plan.config
     # Adam/AdamW, SGD momentum on fp32 states: the gated pass (zerojax/stages/gated.py), no select
-    low = cfg.master_weights_dtype or cfg.optimizer_state_dtype
-    recipe = None if (low or plan.partial_offload) else gated_recipe(tx)
+    recipe = None if plan.partial_offload else plan_recipe(plan, tx)
 
     def host_apply(grads, master, opt_state, scale, coef, skip, key=None):
         grads = jax.tree_util.tree_map(lambda g: g.astype(f32) / scale / coef, grads)

@@ -29,7 +29,7 @@ from zerojax.offload.partial import check_split
 from zerojax.plan import DEVICE, ZeroPlan
 from zerojax.precision import global_norm, step_is_finite
 from zerojax.stages.adam import adam_recipe
-from zerojax.stages.gated import gated_recipe, gated_update
+from zerojax.stages.gated import gated_update, plan_recipe
 from zerojax.stages.gradients import grads_fn
 from zerojax.stages.update import clip_coefficient, find_learning_rate, master_view, optax_update, params_from_master
 from zerojax.state import TrainState, state_shardings
@@ -48,7 +48,7 @@ def _update_fn(loss_fn: Callable, plan: ZeroPlan, tx, has_aux: bool, fused_adam:
     host_apply = compute_on_host(host_apply_fn(plan, tx)) if plan.host_update else None
     # Adam/AdamW, SGD momentum on fp32 states: one gated pass, no select over the state (stages/gated.py)
     recipe = adam_recipe(tx) if fused_adam else None
-    gated = None if (fused_adam or cfg.master_weights_dtype or cfg.optimizer_state_dtype) else gated_recipe(tx)
+    gated = None if fused_adam else plan_recipe(plan, tx)
 
     def on_host(state, scaled, grads, scale, coef, skip, key):
         # ZeRO-Offload: the (still loss-scaled) gradients travel to the host in the compute

@@ -7,12 +7,21 @@ from __future__ import annotations
 from zerojax.stages.adam import AdamRecipe, adam_recipe, gated_adam
 from zerojax.stages.momentum import gated_momentum, momentum_recipe
 
-__all__ = ["gated_recipe", "gated_update"]
+__all__ = ["gated_recipe", "gated_update", "plan_recipe"]
 
 
 def gated_recipe(tx):
     """How to update ``tx`` as a gated pass, or None (the general select path)."""
     return adam_recipe(tx) or momentum_recipe(tx)
+
+
+def plan_recipe(plan, tx):
+    """The gated pass for ``tx`` on ``plan``'s states, or None: the passes compute on fp32 masters
+    and moments, so low-precision model states keep the general path."""
+    cfg = plan.config
+    if cfg.master_weights_dtype or cfg.optimizer_state_dtype:
+        return None
+    return gated_recipe(tx)
 
 
 def gated_update(recipe, tx, params, grads, opt_state, apply):

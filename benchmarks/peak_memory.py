@@ -4,8 +4,11 @@ GPT-2-small shape (vocab 50257, 12 layers, d 768, tied embedding), fp32 by defau
 backend widens 16-bit collectives and scatters to f32, which would inflate a bf16 figure here),
 on 8 simulated devices, with the layers as a Python loop and under lax.scan; compiled from abstract shapes
 (XLA's memory analysis: arguments + outputs + temporaries - aliased). Small activations:
-one sequence of 32 tokens per device. Goal: stage 3 <= 0.20x stage 0, and stage 3's peak
-<= its model states (params, gradients, optimizer state: 1/N each, from the ZeRO formula, not
+one sequence of 32 tokens per device. Stage 3 runs twice: with DeepSpeed's default
+``max_reuse_distance`` (1e9 elements: a model this size stays gathered from each param's forward
+to its backward use, as under DeepSpeed, so its peak holds the whole gathered model) and with
+``max_reuse_distance=0`` ("3 lean": gathered again for the backward pass, ZeRO's 3Ψ). Goal, for
+the lean run: stage 3 <= 0.20x stage 0, and stage 3's peak <= its model states (params, gradients, optimizer state: 1/N each, from the ZeRO formula, not
 from the program measured) + 3 blocks' gathered params + the activations. The stage-3 runs use DeepSpeed's "auto" prefetch bucket (0.9 * d^2
 elements), so the tied embedding is gathered and reduced in slices, never whole.
 
@@ -45,17 +48,19 @@ def main():
         batch = {"tokens": jax.ShapeDtypeStruct((n, cfg.seq_len + 1), np.int32)}
         print(f"GPT {cfg.n_params / 1e6:.1f}M params, {'lax.scan' if scan else 'Python loop'}, {args.optimizer}, {args.precision}, "
               f"{n} devices, {args.seq} tokens per device")
-        print(f"{'stage':>5} {'peak MiB':>9} {'vs stage 0':>10} {'stored MiB':>11} {'temporaries MiB':>16}")
+        print(f"{'stage':>6} {'peak MiB':>9} {'vs stage 0':>10} {'stored MiB':>11} {'temporaries MiB':>16}")
         peaks = {}
-        for stage in (0, 1, 2, 3):
+        for stage in (0, 1, 2, 3, "3 lean"):
             # DeepSpeed's "auto" prefetch bucket: 0.9 * hidden^2 elements
-            config = zj.ZeroConfig(stage=stage, precision=args.precision, prefetch_bucket_size=int(0.9 * args.d**2))
+            lean = {"max_reuse_distance": 0} if stage == "3 lean" else {}
+            config = zj.ZeroConfig(stage=3 if lean else stage, precision=args.precision,
+                                   prefetch_bucket_size=int(0.9 * args.d**2), **lean)
             state = zj.abstract_train_state(lambda k: init_params(cfg, k), tx, mesh=mesh, config=config)
             step = zj.make_train_step(loss_fn(cfg), state)
             peak = zj.peak_memory(step, state, batch)
             peaks[stage] = peak
             stored = zj.estimate(jax.eval_shape(lambda k: init_params(cfg, k), jax.random.PRNGKey(0)), mesh, config, tx=tx)
-            print(f"{stage:>5} {peak.peak / mib:>9.1f} {peak.peak / peaks[0].peak:>9.3f}x "
+            print(f"{str(stage):>6} {peak.peak / mib:>9.1f} {peak.peak / peaks[0].peak:>9.3f}x "
                   f"{stored.max_bytes('device') / mib:>11.1f} {peak.temp / mib:>16.1f}", flush=True)
         d = args.d
         width = 4 if args.precision == "fp32" else 2
@@ -67,12 +72,14 @@ def main():
         layer = (12 * d * d + 13 * d) * width
         acts = args.seq * cfg.vocab * 4 * 3 + args.layers * args.seq * d * 4 * 16
         bound = states + 3 * layer + acts
-        print(f"stage 3 peak {peaks[3].peak / mib:.1f} MiB vs model states {states / mib:.1f} "
+        lean = peaks["3 lean"]
+        print(f"stage 3 lean peak {lean.peak / mib:.1f} MiB vs model states {states / mib:.1f} "
               f"(({width} + {width} + {k}) bytes x {cfg.n_params:,} params / {n}; the compiled arguments hold "
-              f"{peaks[3].argument / mib:.1f}) + 3 blocks' params {3 * layer / mib:.1f} + activations "
+              f"{lean.argument / mib:.1f}) + 3 blocks' params {3 * layer / mib:.1f} + activations "
               f"{acts / mib:.1f} = {bound / mib:.1f} MiB -> "
-              f"{'within' if peaks[3].peak <= bound else 'ABOVE'} the bound ({peaks[3].peak / bound:.2f}x)")
-        print(f"goal: stage 3 <= 0.20x stage 0 -> {peaks[3].peak / peaks[0].peak:.3f}x\n")
+              f"{'within' if lean.peak <= bound else 'ABOVE'} the bound ({lean.peak / bound:.2f}x)")
+        print(f"goal: stage 3 lean <= 0.20x stage 0 -> {lean.peak / peaks[0].peak:.3f}x; at the default "
+              f"distance {peaks[3].peak / peaks[0].peak:.3f}x\n")
 
 
 if __name__ == "__main__":

@@ -58,7 +58,7 @@ def main():
     print(f"\ncompiled step per device (zj.plan_step, micro-batch 1 x {MODELS['gpt-1.3b'].seq_len} tokens, "
           "CPU backend: 16-bit collectives and temporaries may be widened to f32)")
     print(f"{'model':<10}{'devices':>9}{'peak GiB':>10}{'stored':>9}{'temps':>9}{'comm GiB':>10}"
-          f"{'comm/3Ψ':>9}{'compile s':>11}{'where':>8}")
+          f"{'comm/theory':>12}{'compile s':>11}{'where':>8}")
     for name, cfg in MODELS.items():
         for n in DEVICES:
             batch = {"tokens": jax.ShapeDtypeStruct((n, cfg.seq_len + 1), jnp.int32)}
@@ -73,7 +73,7 @@ def main():
             wall = time.perf_counter() - t0
             ratio = p.collective_elements / p.theory_elements
             print(f"{name:<10}{n:>9}{p.peak_bytes / GiB:>10.3f}{p.stored_bytes / GiB:>9.3f}{p.temp_bytes / GiB:>9.3f}"
-                  f"{p.collective_bytes / GiB:>10.3f}{ratio:>9.3f}{p.seconds:>11.1f}"
+                  f"{p.collective_bytes / GiB:>10.3f}{ratio:>12.3f}{p.seconds:>11.1f}"
                   f"{'child' if p.subprocess else 'here':>8}", flush=True)
             if wall > args.compile_budget:
                 print(f"{name:<10}  {wall:.0f}s > {args.compile_budget:.0f}s budget: larger device counts skipped")

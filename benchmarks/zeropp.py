@@ -18,6 +18,11 @@ group of g devices, (g - 1)/g of the buffer. Goals (against none): qwZ all-gathe
 qgZ gradient <= 0.30x, hpZ cross-node all-gather <= 0.55x, all three: cross-node total <= 0.35x
 (the paper's 3M -> 0.75M is cross-node volume).
 
+Every setting runs with ``max_reuse_distance=0`` (``--max-reuse-distance``): each param is
+gathered again for the backward pass, as for a model beyond DeepSpeed's default distance (1e9
+elements, about 500M params), which is where hpZ serves the backward gathers. Under the default
+a model of this size stays gathered from forward to backward and has no backward gathers.
+
     python benchmarks/zeropp.py [--layers 12] [--d 768] [--seq 128] [--skip-64]
 """
 import argparse
@@ -94,6 +99,8 @@ def main():
     ap.add_argument("--scan", action="store_true", help="stacked layers under lax.scan (default: a Python loop)")
     ap.add_argument("--skip-64", action="store_true", help="only the 8-device compile")
     ap.add_argument("--timeout", type=float, default=3600)
+    ap.add_argument("--max-reuse-distance", type=int, default=0,
+                    help="stage3_max_reuse_distance (default 0: every param gathered again for the backward pass)")
     args = ap.parse_args()
     cfg = gpt.GPTConfig(vocab=args.vocab, n_layer=args.layers, d_model=args.d, n_head=args.heads, seq_len=args.seq,
                         scan=args.scan)
@@ -102,10 +109,12 @@ def main():
     tx = optax.adamw(1e-4)
     print(f"GPT {psi / 1e6:.1f}M params ({'scan' if args.scan else 'python loop'}), stage 3, bf16, one micro-batch "
           f"of 1 sequence x {args.seq} tokens per device; quantization blocks of "
-          f"{zj.ZeroConfig().quantization_block_size}, qgZ {zj.ZeroConfig().quantized_gradients_bits} bits")
+          f"{zj.ZeroConfig().quantization_block_size}, qgZ {zj.ZeroConfig().quantized_gradients_bits} bits; "
+          f"max_reuse_distance {args.max_reuse_distance}")
 
     def config(k, extra):
-        return zj.ZeroConfig(stage=3, precision="bf16", prefetch_bucket_size=prefetch, devices_per_node=k, **extra)
+        return zj.ZeroConfig(stage=3, precision="bf16", prefetch_bucket_size=prefetch, devices_per_node=k,
+                             max_reuse_distance=args.max_reuse_distance, **extra)
 
     # 8 devices, 2 nodes x 4, in this process
     mesh = zj.make_mesh()

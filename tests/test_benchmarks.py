@@ -21,7 +21,7 @@ def test_gpu_check_smoke_runs_every_section():
     out = run("gpu_check.py", "--smoke")
     assert "4 of 4 sections ran" in out
     for figure in ("fused / copy", "ZenFlow / plain offload", "offload / on device", "s0/ddp", "s1/ddp", "s3/fsdp",
-                   "s3/s0", "s0/jit", "stage 3 / stage 0"):
+                   "s3/s0", "s0/jit", "stage 3 lean / stage 0"):
         assert figure in out, f"{figure!r} missing from:\n{out}"
 
 

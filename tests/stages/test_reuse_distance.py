@@ -77,18 +77,44 @@ def _report(kind, distance):
 @pytest.mark.parametrize("kind", ["twice", "scan"])
 def test_gathered_again_exactly_when_the_distance_is_exceeded(kind):
     between = BETWEEN[kind]
-    reuse = _report(kind, 10**9)
+    total = sum(x.size for x in jax.tree_util.tree_leaves(_params(kind)))
     at_limit = _report(kind, between)       # exactly `between` elements apart: still reused
     regather = _report(kind, between - 1)   # one element farther than allowed: gathered again
-    zero = _report(kind, 0)
-    assert at_limit.kinds == reuse.kinds
-    assert zero.kinds == regather.kinds
     # one more forward all-gather, of w (D_IN x D fp32), and nothing else changes
     count, nbytes, elements = regather.kinds["all-gather"]
-    assert count == reuse.count("all-gather") + 1, (reuse, regather)
-    assert elements - reuse.kinds["all-gather"][2] == D_IN * D
-    assert nbytes - reuse.kinds["all-gather"][1] == D_IN * D * 4
+    assert count == at_limit.count("all-gather") + 1, (at_limit, regather)
+    assert elements - at_limit.kinds["all-gather"][2] == D_IN * D
+    assert nbytes - at_limit.kinds["all-gather"][1] == D_IN * D * 4
     # both uses' cotangents still meet: one reduce-scatter per param either way
-    assert regather.kinds["reduce-scatter"] == reuse.kinds["reduce-scatter"]
     assert {k: v for k, v in regather.kinds.items() if k != "all-gather"} == \
-        {k: v for k, v in reuse.kinds.items() if k != "all-gather"}
+        {k: v for k, v in at_limit.kinds.items() if k != "all-gather"}
+    # within the default distance nothing is gathered twice, forward or backward: each param once
+    reuse = _report(kind, 10**9)
+    assert reuse.kinds["all-gather"][2] == total
+    assert reuse.kinds["reduce-scatter"] == regather.kinds["reduce-scatter"]
+    # distance 0: every param gathered again for the backward pass (w there once: the first
+    # layer's derivative does not read it), and w again in the forward pass
+    assert _report(kind, 0).kinds["all-gather"][2] == 2 * total + D_IN * D
+
+
+def _gathered(distance, **config):
+    shapes = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), _params("twice"))
+    state = zj.abstract_train_state(shapes, optax.sgd(0.1), config=_config(distance).replace(**config))
+    batch = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), _data(1)[0])
+    return zj.comm_report(zj.make_train_step(_twice_loss, state), state, batch).kinds["all-gather"][2]
+
+
+def test_kept_for_backward_by_deepspeeds_rule():
+    """A param stays gathered from its forward to its backward use when fewer than
+    ``max_reuse_distance`` elements are fetched in between: the rest of the forward pass and the
+    backward pass of that rest, twice what follows its use. Here v's backward use is 2 * w away
+    (w's second use, forward and backward), w's second use's 0; the first layer's backward
+    does not read w."""
+    w, v = D_IN * D, D * D
+    assert _gathered(2 * w + 1) == w + v  # everything kept: each param gathered once
+    assert _gathered(2 * w) == w + v + v  # v gathered again for the backward pass
+    assert _gathered(1) == (w + v + w) + v  # w also gathered again in the forward pass (v > 1)
+    # at most max_live_parameters elements kept, the nearest uses first: w's second use fits,
+    # v then does not; w's first use would hold the copy already kept
+    assert _gathered(10**9, max_live_parameters=w + v - 1) == w + v + v
+    assert _gathered(10**9, max_live_parameters=w + v) == w + v

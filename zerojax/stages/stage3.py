@@ -8,12 +8,18 @@ over stacked layers the per-layer slice stays lazy and is gathered inside the lo
 nested ``jit`` calls are entered; a ``fori_loop``/``while_loop`` that takes one layer of a
 stacked param with a dynamic slice is handled likewise. Anything else gathers at the use.
 
-Each use site is a custom-VJP function whose residuals are the local shards and the
-activations, never the gathered params: the backward pass gathers each param again right
-where it is needed (and not at all where the derivative does not read it, e.g. an
-embedding lookup or a bias add), and the gradient leaves through the gather's transpose, one
-reduce-scatter per param however many times it is used (tied embeddings included). That is
-ZeRO's 3Ψ with at most a few layers' params alive at a time.
+Each use site is a custom-VJP function. The backward pass gathers a param again right where
+it is needed (and not at all where the derivative does not read it, e.g. an embedding lookup
+or a bias add), unless the param is kept gathered from its forward use: DeepSpeed's
+``stage3_max_reuse_distance`` rule over the fetch trace of the whole step, forward then
+backward, which keeps a param whose backward use comes within ``max_reuse_distance`` elements
+of params fetched in between (about twice what the forward pass uses after it), up to
+``max_live_parameters`` kept elements. Under DeepSpeed's defaults (1e9 both) a model below
+about 500M params is gathered once per micro-batch (2Ψ, like GSPMD FSDP, holding the gathered
+params until their backward use); ``max_reuse_distance=0`` gathers every param again for the
+backward pass (ZeRO's 3Ψ, with at most a few layers' params alive at a time). The gradient
+leaves through the gather's transpose, one reduce-scatter per param however many times it is
+used (tied embeddings included).
 
 Gathers are tied to the activation of the moment (``shard + 0 * a``; the compiler may not drop
 it), so they are neither hoisted out of the micro-batch loop nor merged with the backward
@@ -25,8 +31,8 @@ is gathered slice by slice inside a loop (forward and backward), and a row looku
 split along its features moves only the rows (an all-to-all); a tied embedding is then never
 whole on a device, nor is its gradient.
 
-A param used again in the forward pass (a tied embedding, a weight applied twice) keeps its
-gathered copy when at most ``max_reuse_distance`` elements of other params were used since its
+A param used again in the forward pass (a tied embedding, a weight applied twice) also keeps
+its gathered copy when at most ``max_reuse_distance`` elements of other params were used since its
 last use (DeepSpeed's ``stage3_max_reuse_distance``); farther away it is gathered again, so the
 copy need not stay alive in between. Its cotangents still meet before the one reduce-scatter.
 Loops count their body's params once per iteration (a ``while_loop`` once).
@@ -71,12 +77,15 @@ def _tie(x, anchor):
 
 class Fetches:
     """The forward replay's running count of param elements used (DeepSpeed's fetch trace),
-    against which ``max_reuse_distance`` is measured."""
+    against which ``max_reuse_distance`` is measured, and the gathered params kept for the
+    backward pass (at most ``max_live`` elements)."""
 
-    __slots__ = ("count", "limit")
+    __slots__ = ("count", "limit", "max_live", "kept", "repeat")
 
-    def __init__(self, limit: float):
-        self.count, self.limit = 0, limit
+    def __init__(self, limit: float, max_live: float = math.inf):
+        self.count, self.limit, self.max_live = 0, limit, max_live
+        self.kept = 0  # elements of gathered params held from their forward to their backward use
+        self.repeat = 1  # iterations of the loop whose body is being replayed
 
     def used(self, bases) -> None:
         """Record one use site's params: each one's distance is counted from here."""
@@ -84,6 +93,27 @@ class Fetches:
             self.count += b.lay.size
         for b in bases:
             b.last_use = self.count
+
+    def keep_for_backward(self, at: int, sizes) -> list:
+        """Whether each param (of ``sizes`` elements) of the use site after which ``count`` was
+        ``at`` keeps its gathered copy for the backward pass. Decided when the backward pass is
+        traced, so ``count`` is the whole forward pass's.
+
+        DeepSpeed keeps a param when it is used again within ``max_reuse_distance`` elements
+        of params, counted over the fetch trace of the whole step, forward then backward. The
+        backward use of a param used at a site follows the rest of the forward pass and the
+        backward pass of that rest: twice the elements the forward pass used after the site.
+        In a loop the first iteration decides (its distance is the longest) and every
+        iteration is kept alike. The kept elements are capped at ``max_live``
+        (``max_live_parameters``), nearest uses first (the backward pass decides in reverse)."""
+        distance = 2 * max(self.count - at, 0)
+        out = []
+        for size in sizes:
+            keep = distance < self.limit and self.kept + size <= self.max_live
+            if keep:
+                self.kept += size
+            out.append(keep)
+        return out
 
 
 def _gather_again(full, shard, anchor, lay: LeafLayout, wire: Wire):
@@ -102,12 +132,13 @@ def _gather_again(full, shard, anchor, lay: LeafLayout, wire: Wire):
 class Base:
     """A partitioned param not gathered yet: its local shard, layout and forward gather."""
 
-    __slots__ = ("shard", "lay", "full", "secondary", "wire", "fetches", "last_use")
+    __slots__ = ("shard", "lay", "full", "secondary", "wire", "fetches", "last_use", "kept")
 
     def __init__(self, shard, lay: LeafLayout, wire: Wire, fetches: Optional[Fetches] = None):
         self.shard, self.lay, self.full, self.secondary, self.wire = shard, lay, None, None, wire
         self.fetches = Fetches(math.inf) if fetches is None else fetches
         self.last_use = None  # Fetches.count after the last use of ``full``; None: not used yet
+        self.kept = None  # the gathered copy held for the backward pass, once one use keeps it
 
     @property
     def axis_name(self) -> str:
@@ -220,21 +251,36 @@ def _use_site(op: Callable[[list], list], invals: list, anchor):
         return apply(fulls, diffs, consts)
 
     def fwd(fulls, shards, diffs, consts):
-        # residuals: shards (or hpZ secondary partitions) and activations, never the gathered params
-        return apply(fulls, diffs, consts), (shards, diffs, consts)
+        # residuals: the gathered params and their shards (or hpZ secondary partitions) and the
+        # activations; the backward pass reads the gathered params it keeps and gathers the others
+        # again from their shards (what it does not read, the compiler drops after the forward use)
+        return apply(fulls, diffs, consts), (fulls, shards, diffs, consts)
 
     def bwd(res, ct):
-        shards, diffs, consts = res
+        fulls, shards, diffs, consts = res
+        keep = kept()
         ct_anchor = next((c for c in ct if hasattr(c, "dtype") and _is_float(c)), None)
-        fulls = [b.wire.regather(_tie(to_device_memory(s), ct_anchor), b.lay, b.shard.dtype)
-                 for s, b in zip(shards, bases)]
+        fulls = [f if k else b.wire.regather(_tie(to_device_memory(s), ct_anchor), b.lay, b.shard.dtype)
+                 for f, s, b, k in zip(fulls, shards, bases, keep)]
         _, vjp = jax.vjp(lambda f, d: apply(f, d, consts), fulls, diffs)
         d_fulls, d_diffs = vjp(ct)
         return d_fulls, [None] * len(shards), d_diffs, [None] * len(consts)
 
     site.defvjp(fwd, bwd)
+    fetches = bases[0].fetches
     fulls = [b.fetch(anchor) for b in bases]
-    bases[0].fetches.used(bases)
+    fetches.used(bases)
+    at, sizes, decided = fetches.count, [b.lay.size * fetches.repeat for b in bases], []
+
+    def kept():
+        if not decided:  # a copy another use already keeps costs nothing more
+            decided.extend(fetches.keep_for_backward(
+                at, [0 if b.kept is f else n for b, f, n in zip(bases, fulls, sizes)]))
+            for b, f, k in zip(bases, fulls, decided):
+                if k:
+                    b.kept = f
+        return decided
+
     shards = [jax.lax.stop_gradient(b.residual) for b in bases]
     return site(fulls, shards, [invals[i] for i in diff_pos], [invals[i] for i in const_pos])
 
@@ -410,11 +456,12 @@ def _anchor(vals):
 
 
 class _Interpreter:
-    def __init__(self, wire: Wire, prefetch: int, chunk: int, reuse_distance: float = math.inf):
+    def __init__(self, wire: Wire, prefetch: int, chunk: int, reuse_distance: float = math.inf,
+                 max_live: float = math.inf):
         self.wire = wire
         self.prefetch = prefetch
         self.chunk = chunk
-        self.fetches = Fetches(reuse_distance)
+        self.fetches = Fetches(reuse_distance, max_live)
         self.prims = primitives()
 
     def base(self, shard, lay: LeafLayout) -> Lazy:
@@ -426,8 +473,12 @@ class _Interpreter:
         before, fetches = self.fetches.count, self.fetches
 
         def counted(*args):
-            start = fetches.count
-            out = body(*args)
+            start, repeat = fetches.count, fetches.repeat
+            fetches.repeat = repeat * times
+            try:
+                out = body(*args)
+            finally:
+                fetches.repeat = repeat
             fetches.count = before + (fetches.count - start) * times
             return out
 
@@ -608,8 +659,8 @@ def gathered_loss(loss_fn: Callable, plan: ZeroPlan, takes_rng: bool):
     def loss(shards, mb, key):
         extra = (key,) if takes_rng else ()
         closed, out_shape = jax.make_jaxpr(loss_fn, return_shape=True)(plan.map(whole, shards), mb, *extra)
-        interp = _Interpreter(wire, prefetch, min(prefetch, int(plan.config.max_live_parameters)),
-                              int(plan.config.max_reuse_distance))
+        live = int(plan.config.max_live_parameters)
+        interp = _Interpreter(wire, prefetch, min(prefetch, live), int(plan.config.max_reuse_distance), live)
         lazies = plan.map(lambda lay, x: interp.base(x, lay) if lay.params_partitioned else x, shards)
         flat = jax.tree_util.tree_leaves((lazies, mb) + extra, is_leaf=lambda x: isinstance(x, Lazy))
         out = interp.run(closed.jaxpr, closed.consts, flat)

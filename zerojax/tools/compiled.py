@@ -305,13 +305,36 @@ def theory_elements(plan, gas: int = 1) -> tuple:
     """ZeRO's per-device volume per optimizer step, in elements.
 
     stages 0 and 1 reduce once per step (2Ψ); stage 2 reduce-scatters each micro-batch and
-    gathers once ((GAS + 1)Ψ); stage 3 gathers for forward and backward and reduce-scatters,
-    per micro-batch (3Ψ·GAS).
+    gathers once ((GAS + 1)Ψ); stage 3 gathers for the forward pass and reduce-scatters, per
+    micro-batch, and gathers again for the backward pass the params not kept from their forward
+    use (``max_reuse_distance``, ``max_live_parameters``: :func:`kept_for_backward`):
+    3Ψ·GAS when none is kept, 2Ψ·GAS when all are.
     """
     psi = sum(lay.size for lay in plan.leaves)
-    factor = {0: 2, 1: 2, 2: gas + 1, 3: 3 * gas}[plan.stage]
-    label = {0: "2Ψ", 1: "2Ψ", 2: f"{gas + 1}Ψ", 3: f"{3 * gas}Ψ"}[plan.stage]
+    if plan.stage == 3:
+        again = psi - kept_for_backward(plan)
+        factor = gas * (2 + again / psi) if psi else 0
+        label = f"{3 * gas}Ψ" if again == psi else f"{2 * gas}Ψ" if again == 0 else f"{factor:.2f}Ψ"
+        return factor * psi, label
+    factor = {0: 2, 1: 2, 2: gas + 1}[plan.stage]
+    label = {0: "2Ψ", 1: "2Ψ", 2: f"{gas + 1}Ψ"}[plan.stage]
     return factor * psi, label
+
+
+def kept_for_backward(plan) -> int:
+    """Elements of the partitioned params a stage-3 step keeps gathered from their forward to
+    their backward use, by DeepSpeed's rule (:meth:`zerojax.stages.stage3.Fetches.keep_for_backward`)
+    with the params used once each in the plan's order."""
+    from zerojax.stages.stage3 import Fetches
+
+    sizes = [lay.size for lay in plan.leaves if lay.params_partitioned]
+    fetches = Fetches(int(plan.config.max_reuse_distance), int(plan.config.max_live_parameters))
+    fetches.count = sum(sizes)
+    kept, at = 0, fetches.count
+    for size in reversed(sizes):  # the backward pass decides, last use first
+        kept += size * fetches.keep_for_backward(at, [size])[0]
+        at -= size
+    return kept
 
 
 def _compiled(step, state, batch):

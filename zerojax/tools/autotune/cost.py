@@ -25,7 +25,8 @@ class CostModel:
       latency per micro-batch is why larger micro-batches have higher throughput;
     * collectives = the compiled step's collective elements per device x the bytes they travel
       in (2 under bf16/fp16, else 4) / ``link_bandwidth``; ZeRO's volumes make this grow with
-      the stage (2Ψ for stages 0 and 1, (GAS + 1)Ψ for 2, 3Ψ·GAS for 3);
+      the stage (2Ψ for stages 0 and 1, (GAS + 1)Ψ for 2, 2Ψ·GAS to 3Ψ·GAS for 3 with
+      ``max_reuse_distance``);
     * offload = 2 x host-resident bytes per device / ``host_bandwidth``: offloaded state is
       fetched to the device and written back every step.
 

@@ -324,15 +324,20 @@ def theory_elements(plan, gas: int = 1) -> tuple:
 def kept_for_backward(plan) -> int:
     """Elements of the partitioned params a stage-3 step keeps gathered from their forward to
     their backward use, by DeepSpeed's rule (:meth:`zerojax.stages.stage3.Fetches.keep_for_backward`)
-    with the params used once each in the plan's order."""
+    with the params used once each in the plan's order. A param larger than the slices a matmul
+    gathers it in (``prefetch_bucket_size``, or ``max_live_parameters`` if smaller) counts as not
+    kept: it is never whole."""
     from zerojax.stages.stage3 import Fetches
 
+    cfg = plan.config
     sizes = [lay.size for lay in plan.leaves if lay.params_partitioned]
-    fetches = Fetches(int(plan.config.max_reuse_distance), int(plan.config.max_live_parameters))
+    chunk = min(int(cfg.prefetch_bucket_size), int(cfg.max_live_parameters))
+    fetches = Fetches(int(cfg.max_reuse_distance), int(cfg.max_live_parameters))
     fetches.count = sum(sizes)
     kept, at = 0, fetches.count
     for size in reversed(sizes):  # the backward pass decides, last use first
-        kept += size * fetches.keep_for_backward(at, [size])[0]
+        if size <= chunk:
+            kept += size * fetches.keep_for_backward(at, [size])[0]
         at -= size
     return kept
 

@@ -372,6 +372,20 @@ def test_secondary_partition_in_memory_report_and_estimate():
     assert zj.memory_report(plain).in_step == {}
 
 
+def test_no_secondary_partition_for_params_kept_until_their_backward_use():
+    """Under the default distance a model this small stays gathered from forward to backward:
+    the backward pass gathers nothing, so hpZ holds no secondary partition; with a distance
+    that keeps only the params used last, the others' partitions remain."""
+    params = init_params(jax.random.PRNGKey(0))
+    kept = config(precision="bf16", hpz_partition_size=K, max_reuse_distance=10**9)
+    assert secondary_bytes(zj.ZeroPlan.create(params, zj.make_mesh(), kept)) == 0
+    assert zj.estimate(params, zj.make_mesh(), kept, optax.adam(1e-2)).in_step == {}
+    none = secondary_bytes(zj.ZeroPlan.create(params, zj.make_mesh(), config(precision="bf16", hpz_partition_size=K)))
+    last = zj.ZeroPlan.create(params, zj.make_mesh(), config(precision="bf16", hpz_partition_size=K,
+                                                             max_reuse_distance=1))
+    assert 0 < secondary_bytes(last) < none  # the last leaf's distance is 0 < 1: kept
+
+
 # ------------------------------------------------------------------------------ config
 def test_partition_sizes_that_do_not_divide_the_data_axis_are_refused():
     params = init_params(jax.random.PRNGKey(0))

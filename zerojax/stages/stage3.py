@@ -53,6 +53,7 @@ from jax.extend.core import Literal, jaxpr_as_fun
 
 from zerojax._compat import Tracer, primitives, to_device_memory
 from zerojax.plan import LeafLayout, ZeroPlan
+from zerojax.stages.reuse import Fetches
 from zerojax.stages.zeropp import Wire
 
 MARK = "zerojax_gather"
@@ -73,47 +74,6 @@ def _tie(x, anchor):
     if not jnp.issubdtype(a.dtype, jnp.floating):
         a = a.astype(jnp.float32)
     return x + jnp.zeros((), x.dtype) * jax.lax.stop_gradient(a).astype(x.dtype)
-
-
-class Fetches:
-    """The forward replay's running count of param elements used (DeepSpeed's fetch trace),
-    against which ``max_reuse_distance`` is measured, and the gathered params kept for the
-    backward pass (at most ``max_live`` elements)."""
-
-    __slots__ = ("count", "limit", "max_live", "kept", "repeat")
-
-    def __init__(self, limit: float, max_live: float = math.inf):
-        self.count, self.limit, self.max_live = 0, limit, max_live
-        self.kept = 0  # elements of gathered params held from their forward to their backward use
-        self.repeat = 1  # iterations of the loop whose body is being replayed
-
-    def used(self, bases) -> None:
-        """Record one use site's params: each one's distance is counted from here."""
-        for b in bases:
-            self.count += b.lay.size
-        for b in bases:
-            b.last_use = self.count
-
-    def keep_for_backward(self, at: int, sizes) -> list:
-        """Whether each param (of ``sizes`` elements) of the use site after which ``count`` was
-        ``at`` keeps its gathered copy for the backward pass. Decided when the backward pass is
-        traced, so ``count`` is the whole forward pass's.
-
-        DeepSpeed keeps a param when it is used again within ``max_reuse_distance`` elements
-        of params, counted over the fetch trace of the whole step, forward then backward. The
-        backward use of a param used at a site follows the rest of the forward pass and the
-        backward pass of that rest: twice the elements the forward pass used after the site.
-        In a loop the first iteration decides (its distance is the longest) and every
-        iteration is kept alike. The kept elements are capped at ``max_live``
-        (``max_live_parameters``), nearest uses first (the backward pass decides in reverse)."""
-        distance = 2 * max(self.count - at, 0)
-        out = []
-        for size in sizes:
-            keep = distance < self.limit and self.kept + size <= self.max_live
-            if keep:
-                self.kept += size
-            out.append(keep)
-        return out
 
 
 def _gather_again(full, shard, anchor, lay: LeafLayout, wire: Wire):

@@ -43,6 +43,7 @@ import numpy as np
 from zerojax.plan import LeafLayout, ZeroPlan
 from zerojax.stages import collectives as C
 from zerojax.stages import quantize as Q
+from zerojax.stages.reuse import kept_leaves
 
 WEIGHT_BITS = 8
 
@@ -211,15 +212,17 @@ class Wire:
 def secondary_bytes(plan: ZeroPlan) -> int:
     """Bytes per device of the hpZ secondary partitions: ``n / k`` rows of each partitioned
     param (16-bit values, or their 8-bit payload with qwZ), held inside the step from the
-    param's forward gather to its backward use; 0 without hpZ. Counted per whole leaf (a
-    stacked layer gathered slice by slice differs by at most a block's padding per slice)."""
+    param's forward gather to its backward use; 0 without hpZ. A param kept gathered until its
+    backward use (``max_reuse_distance``: :func:`zerojax.stages.reuse.kept_leaves`) needs none.
+    Counted per whole leaf (a stacked layer gathered slice by slice differs by at most a block's
+    padding per slice)."""
     if plan.stage != 3 or plan.config.hpz_partition_size <= 1:
         return 0
     wire = Wire.of(plan)
     itemsize = np.dtype(plan.compute_dtype).itemsize
     total = 0
-    for lay in plan.leaves:
-        if lay.params_partitioned:
+    for lay, kept in zip(plan.leaves, kept_leaves(plan)):
+        if lay.params_partitioned and not kept:
             c = math.prod(C.local_shape(lay, plan.n))
             row = Q.payload_size(c, wire.weight_bits, wire.block) if wire.weight_bits else c * itemsize
             total += wire.nodes * row

@@ -28,6 +28,7 @@ from typing import Dict, Optional
 
 import numpy as np
 
+from zerojax.stages.reuse import kept_leaves
 from zerojax.stages.zeropp import node_size as plan_node_size
 
 _KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
@@ -307,39 +308,18 @@ def theory_elements(plan, gas: int = 1) -> tuple:
     stages 0 and 1 reduce once per step (2Ψ); stage 2 reduce-scatters each micro-batch and
     gathers once ((GAS + 1)Ψ); stage 3 gathers for the forward pass and reduce-scatters, per
     micro-batch, and gathers again for the backward pass the params not kept from their forward
-    use (``max_reuse_distance``, ``max_live_parameters``: :func:`kept_for_backward`):
+    use (``max_reuse_distance``, ``max_live_parameters``: :func:`zerojax.stages.reuse.kept_leaves`):
     3Ψ·GAS when none is kept, 2Ψ·GAS when all are.
     """
     psi = sum(lay.size for lay in plan.leaves)
     if plan.stage == 3:
-        again = psi - kept_for_backward(plan)
+        again = psi - sum(lay.size for lay, k in zip(plan.leaves, kept_leaves(plan)) if k)
         factor = gas * (2 + again / psi) if psi else 0
         label = f"{3 * gas}Ψ" if again == psi else f"{2 * gas}Ψ" if again == 0 else f"{factor:.2f}Ψ"
         return factor * psi, label
     factor = {0: 2, 1: 2, 2: gas + 1}[plan.stage]
     label = {0: "2Ψ", 1: "2Ψ", 2: f"{gas + 1}Ψ"}[plan.stage]
     return factor * psi, label
-
-
-def kept_for_backward(plan) -> int:
-    """Elements of the partitioned params a stage-3 step keeps gathered from their forward to
-    their backward use, by DeepSpeed's rule (:meth:`zerojax.stages.stage3.Fetches.keep_for_backward`)
-    with the params used once each in the plan's order. A param larger than the slices a matmul
-    gathers it in (``prefetch_bucket_size``, or ``max_live_parameters`` if smaller) counts as not
-    kept: it is never whole."""
-    from zerojax.stages.stage3 import Fetches
-
-    cfg = plan.config
-    sizes = [lay.size for lay in plan.leaves if lay.params_partitioned]
-    chunk = min(int(cfg.prefetch_bucket_size), int(cfg.max_live_parameters))
-    fetches = Fetches(int(cfg.max_reuse_distance), int(cfg.max_live_parameters))
-    fetches.count = sum(sizes)
-    kept, at = 0, fetches.count
-    for size in reversed(sizes):  # the backward pass decides, last use first
-        if size <= chunk:
-            kept += size * fetches.keep_for_backward(at, [size])[0]
-        at -= size
-    return kept
 
 
 def _compiled(step, state, batch):

@@ -67,9 +67,9 @@ def test_numerics_match_plain_optax_whether_reused_or_gathered_again(kind, dista
     assert max_rel_err(state.full_params(), p) < 1e-6
 
 
-def _report(kind, distance):
+def _report(kind, distance, **config):
     shapes = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), _params(kind))
-    state = zj.abstract_train_state(shapes, optax.sgd(0.1), config=_config(distance))
+    state = zj.abstract_train_state(shapes, optax.sgd(0.1), config=_config(distance).replace(**config))
     batch = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), _data(1)[0])
     return zj.comm_report(zj.make_train_step(LOSSES[kind], state), state, batch)
 
@@ -98,10 +98,7 @@ def test_gathered_again_exactly_when_the_distance_is_exceeded(kind):
 
 
 def _gathered(distance, **config):
-    shapes = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), _params("twice"))
-    state = zj.abstract_train_state(shapes, optax.sgd(0.1), config=_config(distance).replace(**config))
-    batch = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), _data(1)[0])
-    return zj.comm_report(zj.make_train_step(_twice_loss, state), state, batch).kinds["all-gather"][2]
+    return _report("twice", distance, **config).kinds["all-gather"][2]
 
 
 def test_kept_for_backward_by_deepspeeds_rule():

@@ -10,7 +10,7 @@ import math
 
 from zerojax.plan import ZeroPlan
 
-__all__ = ["Fetches", "kept_leaves"]
+__all__ = ["Fetches", "kept_leaves", "slice_elements"]
 
 
 class Fetches:
@@ -54,15 +54,20 @@ class Fetches:
         return out
 
 
+def slice_elements(config) -> int:
+    """The most elements of a param a stage-3 matmul gathers at once: ``prefetch_bucket_size``,
+    or ``max_live_parameters`` if smaller. A larger param is gathered in slices of that many."""
+    return min(int(config.prefetch_bucket_size), int(config.max_live_parameters))
+
+
 def kept_leaves(plan: ZeroPlan) -> list:
     """For each of ``plan.leaves``, whether a stage-3 step keeps the param gathered from its forward
     to its backward use, by :meth:`Fetches.keep_for_backward` with the partitioned params used
     once each in the plan's order. A param larger than the slices a matmul gathers it in
-    (``prefetch_bucket_size``, or ``max_live_parameters`` if smaller) counts as not kept: it is
-    never whole. Unpartitioned leaves are never gathered (False)."""
+    (:func:`slice_elements`) counts as not kept: it is never whole. Unpartitioned leaves are never gathered (False)."""
     cfg = plan.config
     sizes = [lay.size if lay.params_partitioned else 0 for lay in plan.leaves]
-    chunk = min(int(cfg.prefetch_bucket_size), int(cfg.max_live_parameters))
+    chunk = slice_elements(cfg)
     fetches = Fetches(int(cfg.max_reuse_distance), int(cfg.max_live_parameters))
     fetches.count = at = sum(sizes)
     kept = [False] * len(sizes)

@@ -53,7 +53,7 @@ from jax.extend.core import Literal, jaxpr_as_fun
 
 from zerojax._compat import Tracer, primitives, to_device_memory
 from zerojax.plan import LeafLayout, ZeroPlan
-from zerojax.stages.reuse import Fetches
+from zerojax.stages.reuse import Fetches, slice_elements
 from zerojax.stages.zeropp import Wire
 
 MARK = "zerojax_gather"
@@ -217,12 +217,11 @@ def _use_site(op: Callable[[list], list], invals: list, anchor):
         return apply(fulls, diffs, consts), (fulls, shards, diffs, consts)
 
     def bwd(res, ct):
-        fulls, shards, diffs, consts = res
-        keep = kept()
+        held, shards, diffs, consts = res
         ct_anchor = next((c for c in ct if hasattr(c, "dtype") and _is_float(c)), None)
-        fulls = [f if k else b.wire.regather(_tie(to_device_memory(s), ct_anchor), b.lay, b.shard.dtype)
-                 for f, s, b, k in zip(fulls, shards, bases, keep)]
-        _, vjp = jax.vjp(lambda f, d: apply(f, d, consts), fulls, diffs)
+        wholes = [h if k else b.wire.regather(_tie(to_device_memory(s), ct_anchor), b.lay, b.shard.dtype)
+                  for h, s, b, k in zip(held, shards, bases, kept())]
+        _, vjp = jax.vjp(lambda f, d: apply(f, d, consts), wholes, diffs)
         d_fulls, d_diffs = vjp(ct)
         return d_fulls, [None] * len(shards), d_diffs, [None] * len(consts)
 
@@ -619,8 +618,8 @@ def gathered_loss(loss_fn: Callable, plan: ZeroPlan, takes_rng: bool):
     def loss(shards, mb, key):
         extra = (key,) if takes_rng else ()
         closed, out_shape = jax.make_jaxpr(loss_fn, return_shape=True)(plan.map(whole, shards), mb, *extra)
-        live = int(plan.config.max_live_parameters)
-        interp = _Interpreter(wire, prefetch, min(prefetch, live), int(plan.config.max_reuse_distance), live)
+        interp = _Interpreter(wire, prefetch, slice_elements(plan.config), int(plan.config.max_reuse_distance),
+                              int(plan.config.max_live_parameters))
         lazies = plan.map(lambda lay, x: interp.base(x, lay) if lay.params_partitioned else x, shards)
         flat = jax.tree_util.tree_leaves((lazies, mb) + extra, is_leaf=lambda x: isinstance(x, Lazy))
         out = interp.run(closed.jaxpr, closed.consts, flat)

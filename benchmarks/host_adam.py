@@ -49,6 +49,7 @@ import numpy as np
 import optax
 
 import zerojax as zj
+from zerojax.kernels import native
 from zerojax.offload.host_adam import HostAdamW
 from zerojax.offload.host_buffers import host_zeros
 
@@ -237,7 +238,7 @@ def main():
     n = args.n
 
     opt = HostAdamW(LR, weight_decay=WD, num_threads=args.threads, block_elements=args.block)
-    print(f"params: {n:,} fp32   HostAdamW block: {opt.block_elements}   threads: "
+    print(f"params: {n:,} fp32   HostAdamW native kernel: {native.available()}   block: {opt.block_elements}   threads: "
           f"{opt.num_threads}   jax {jax.__version__} on {jax.devices('cpu')[0]}   load average: "
           f"{os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
     if args.sweep:
@@ -255,8 +256,9 @@ def main():
 
     jax_run, info = make_jax_step(n)
     probes = bandwidth_probes(n, opt.num_threads)
-    solo = HostAdamW(LR, weight_decay=WD, num_threads=1, block_elements=args.block)
-    cands = {"host": make_host_step(opt, n), "jax": jax_run,
+    loop = HostAdamW(LR, weight_decay=WD, num_threads=args.threads, block_elements=args.block, native=False)
+    solo = HostAdamW(LR, weight_decay=WD, num_threads=1, block_elements=args.block, native=False)
+    cands = {"host": make_host_step(opt, n), "jax": jax_run, "xla loop": make_host_step(loop, n),
              "numpy": make_host_step(opt, n, host=False), "xla only": make_host_step(solo, n)}
     cands.update({k: fn for k, (fn, _) in probes.items()})
     ds = None
@@ -268,7 +270,7 @@ def main():
 
     bw = {k: nbytes / res[k][0] for k, (_, nbytes) in probes.items()}
     best = max(bw, key=bw.get)
-    rate = {k: n / res[k][0] for k in ("host", "jax", "numpy", "xla only")}
+    rate = {k: n / res[k][0] for k in ("host", "jax", "xla loop", "numpy", "xla only")}
     ok = info["aliased"] == info["donated"] and len(info["pairs"]) == 4
     print(f"jit baseline: donated {info['donated'] / 1e6:.0f} MB, aliased to outputs "
           f"{info['aliased'] / 1e6:.0f} MB ({'all' if ok else 'NOT all'}; output<-param "
@@ -278,7 +280,8 @@ def main():
           + ", ".join(f"{k} {v / 1e9:.1f}" for k, v in bw.items())
           + f" GB/s -> {bw[best] / 1e9:.1f} GB/s")
     for key, label in (("host", "HostAdamW (host_zeros)"), ("jax", "jax.jit(optax.adamw)  "),
-                       ("numpy", "HostAdamW (numpy bufs)"), ("xla only", "  ... 1 thread (XLA) ")):
+                       ("xla loop", "  ... native=False     "), ("xla only", "  ... native=False, 1 thread"),
+                       ("numpy", "HostAdamW (numpy bufs)")):
         line = (f"{label}: {rate[key] / 1e6:8.1f} M params/s  "
                 f"{rate[key] * BYTES_PER_PARAM / 1e9:6.2f} GB/s at {BYTES_PER_PARAM} B/param")
         if key == "jax":
@@ -289,8 +292,8 @@ def main():
     print(f"ratio HostAdamW / jax: {rate['host'] / rate['jax']:.2f}x   (goal >= 1.5x; at equal "
           f"bandwidth the byte counts allow {bound:.2f}x)   numpy path / jax: "
           f"{rate['numpy'] / rate['jax']:.2f}x")
-    split = opt._split
-    print("HostAdamW's split between XLA (one core) and numpy threads: last rates "
+    split = loop._split
+    print("HostAdamW(native=False)'s split between XLA (one core) and numpy threads: last rates "
           + ", ".join(f"{name} {split.rate[k] / 1e6:.0f} M params/s" for k, name in
                       ((False, "XLA alone"), (True, "split")) if split.rate[k])
           + f"; numpy share when split {split.fraction:.2f}")
@@ -320,8 +323,8 @@ def main():
     for label, (w, _) in interleaved(variants, 5).items():
         nbytes = 28 if label.startswith("bf16") else 30
         print(f"HostAdamW {label}: {n / w / 1e6:8.1f} M params/s  {n * nbytes / w / 1e9:6.2f} GB/s")
-    opt.close()
-    solo.close()
+    for o in (opt, loop, solo):
+        o.close()
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import pytest
 import zerojax as zj
 from tests.helpers import OPTIMIZERS, batches, clip_grads, init_params, loss_fn, max_rel_err
 from zerojax.errors import ConfigError, HostUpdateWarning, IgnoredKeysWarning
+from zerojax.kernels import native
 
 STEPS = 5
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -104,13 +105,56 @@ def host_marks(tx, params, data):
     return jax.jit(tx.update).lower(g, state, params).as_text().count('_xla_compute_type = "host"')
 
 
-def test_update_is_computed_on_the_host():
+def native_calls(tx, params, data):
+    state = tx.init(params)
+    g = jax.grad(loss_fn)(params, data[0])
+    return jax.jit(tx.update).lower(g, state, params).as_text().count(native.TARGET)
+
+
+def test_update_is_computed_on_the_host(monkeypatch):
+    """On this CPU mesh an offloaded Adam runs in the native host kernel (one call per update);
+    other optimizers, and Adam without the kernel, run under compute_on("device_host")."""
     params = init_params(jax.random.PRNGKey(0))
     data = batches(1)
-    offloaded = zj.zero_optimizer(optax.adamw(1e-2), config=zj.ZeroConfig(stage=2, offload_optimizer="cpu"))
+    config = zj.ZeroConfig(stage=2, offload_optimizer="cpu")
+    offloaded = zj.zero_optimizer(optax.adamw(1e-2), config=config)
     on_device = zj.zero_optimizer(optax.adamw(1e-2), config=zj.ZeroConfig(stage=2))
-    assert host_marks(offloaded, params, data) >= 1
-    assert host_marks(on_device, params, data) == 0
+    momentum = zj.zero_optimizer(OPTIMIZERS["sgd_momentum"](), config=config)
+    assert native_calls(offloaded, params, data) == 1 and host_marks(offloaded, params, data) == 0
+    assert native_calls(momentum, params, data) == 0 and host_marks(momentum, params, data) >= 1
+    assert native_calls(on_device, params, data) == 0 and host_marks(on_device, params, data) == 0
+    monkeypatch.setattr(native, "available", lambda warn=True: False)
+    without = zj.zero_optimizer(optax.adamw(1e-2), config=config)
+    assert native_calls(without, params, data) == 0 and host_marks(without, params, data) >= 1
+
+
+NATIVE_OPTIMIZERS = {
+    "adam": OPTIMIZERS["adam"],
+    "inject_hyperparams": OPTIMIZERS["inject_hyperparams"],  # what DeepSpeed's blocks build
+    "injected_schedule": lambda: optax.inject_hyperparams(optax.adamw)(
+        learning_rate=optax.linear_schedule(1e-2, 1e-3, STEPS), b1=0.8, weight_decay=0.05),
+}
+
+
+@pytest.mark.parametrize("opt", sorted(NATIVE_OPTIMIZERS))
+def test_native_host_update_equals_optax(opt):
+    """The native kernel's Adam variants (no weight decay; injected settings; a schedule read each
+    step) give plain optax's updates, step after step on the same params and gradients. (The
+    kernel folds the bias corrections into two scalars, as DeepSpeed's CPU Adam does: a few
+    fp32 ulps per element.)"""
+    params = init_params(jax.random.PRNGKey(0))
+    ref_tx = NATIVE_OPTIMIZERS[opt]()
+    tx = zj.zero_optimizer(NATIVE_OPTIMIZERS[opt](), config=zj.ZeroConfig(stage=2, offload_optimizer="cpu"))
+    assert native_calls(tx, params, batches(1)) == 1
+    ref_state, state = ref_tx.init(params), tx.init(params)
+    update = jax.jit(tx.update)
+    for i, b in enumerate(batches(STEPS)):
+        g = jax.grad(loss_fn)(params, b)
+        want, ref_state = ref_tx.update(g, ref_state, params)
+        got, state = update(g, state, params)
+        assert max_rel_err(got, want) < 1e-6, (opt, i)
+        params = optax.apply_updates(params, want)
+    assert kinds(state.inner) == {"pinned_host"}
 
 
 def test_clipping_with_offload():

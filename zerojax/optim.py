@@ -16,7 +16,11 @@ dtypes as given.
 ``offload_optimizer="cpu"`` (ZeRO-Offload): the state is stored in pinned host memory and the
 update is computed on the host
 (``compute_on("device_host")``): each device's partition of the gradients and params travels
-to its host, and the updates come back to device memory before the gather. An optimizer
+to its host, and the updates come back to device memory before the gather. On a mesh of CPU
+devices (whose memory is the host's) an Adam/AdamW that ``make_train_step``'s gated pass
+recognises runs instead in the native host kernel (:mod:`zerojax.kernels.native`, as fast as
+DeepSpeed's CPU Adam): one pass over each partition, the moments updated in place in host
+memory and the updates written over the gradients. An optimizer
 whose update cannot be traced for the host (it mixes host values with constants it makes on
 the device: optax.adafactor, lamb, clip_by_global_norm) is updated on the device instead, with
 a ``HostUpdateWarning``; its state still lives in host memory between steps. NVMe offload,
@@ -30,16 +34,20 @@ import warnings
 from typing import Any, NamedTuple, Optional
 
 import jax
+import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from zerojax._compat import compute_on_host, same_memory_space, to_device_memory
+from zerojax._compat import compute_on_host, same_memory_space, shard_map, to_device_memory
 from zerojax.config import ZeroConfig
 from zerojax.errors import ConfigError, HostUpdateWarning, IgnoredKeysWarning
+from zerojax.kernels import native
 from zerojax.mesh import make_mesh
 from zerojax.plan import DEVICE, ZeroPlan
 from zerojax.precision import global_norm
 from zerojax.stages import collectives as C
+from zerojax.stages.adam import adam_node, adam_recipe, step_hyperparams
+from zerojax.stages.gating import replace_node
 from zerojax.stages.update import clip_coefficient
 
 
@@ -121,6 +129,8 @@ def zero_optimizer(tx: optax.GradientTransformation, *, mesh=None,
     offload = config.offload_optimizer == "cpu"
     if offload:
         config = config.replace(pin_memory=True)
+    # probed here, not while tracing the update (recognition runs the transformation eagerly)
+    adam = adam_recipe(tx) if offload else None
 
     def plan_for(params) -> ZeroPlan:
         return ZeroPlan.create(params, mesh, config)
@@ -188,8 +198,57 @@ def zero_optimizer(tx: optax.GradientTransformation, *, mesh=None,
             return updates, jax.tree_util.tree_map(same_memory_space, new, inner)
         return compute_on_host(on_host)
 
+    def native_recipe(plan: ZeroPlan, grads, params):
+        """Adam's recipe when the native host kernel can run this update, else None: a mesh of
+        CPU devices (their memory is the host's), an Adam/AdamW the gated pass reproduces, fp32
+        grads and params, and the kernel built."""
+        if any(d.platform != "cpu" for d in plan.mesh.devices.flat):
+            return None
+        if any(x.dtype != jnp.float32 for x in jax.tree_util.tree_leaves((grads, params))):
+            return None
+        return adam if adam is not None and native.available() else None
+
+    def native_update(plan: ZeroPlan, recipe, grads, state: ZeroOptState, params):
+        """The offloaded Adam update in the native kernel: one pass over each device's partition of
+        the grads, params and host-resident moments (updated in place when donated), the updates
+        written over the grads. The counts and hyperparameters (schedules) advance as optax's."""
+        k = _lift_rank(plan)
+        leaves, treedef = jax.tree_util.tree_flatten(state.inner)
+        lowered = [x.reshape(x.shape[k:]) for x in leaves]
+        mirrors = plan.opt_leaf_layouts(treedef.unflatten(lowered), stored=True)
+        # the moments stay lifted, in host memory, for the kernel; the scalars step on the device
+        inner = treedef.unflatten([x if lay is not None else to_device_memory(low)
+                                   for x, low, lay in zip(leaves, lowered, mirrors)])
+        hp, _, after = step_hyperparams(tx, inner)
+        hp = recipe.constants if recipe.constants is not None else hp
+        node = adam_node(inner)
+        scalars = native.adamw_scalars(optax.safe_increment(node.count), hp["learning_rate"], hp["b1"], hp["b2"],
+                                       hp["eps"], hp["weight_decay"], eps_root=hp.get("eps_root", 0.0))
+        specs = [plan.master_sharding(lay).spec for lay in plan.leaves]
+        lifted = [P(*(None,) * k, *spec) for spec in specs]
+        # every device of a CPU mesh runs its program at once: share the cores between them
+        threads = max(1, native.default_threads() // max(1, len(plan.mesh.local_devices)))
+
+        def body(s, ps, gs, ms, vs):
+            us, ms, vs, _ = native.host_adamw(s, ps, gs, ms, vs, updates=True, threads=threads)
+            return us, ms, vs
+
+        flat = plan.treedef.flatten_up_to
+        us, mu, nu = shard_map(body, plan.mesh, in_specs=(P(), specs, specs, lifted, lifted),
+                               out_specs=(specs, lifted, lifted))(
+            scalars, flat(params), flat(grads), flat(node.mu), flat(node.nu))
+        new = replace_node(after, adam_node(after)._replace(mu=plan.treedef.unflatten(mu),
+                                                            nu=plan.treedef.unflatten(nu)))
+        new_leaves = jax.tree_util.tree_leaves(new)
+        stored = treedef.unflatten([x if lay is not None else x.reshape((1,) * k + x.shape)
+                                    for x, lay in zip(new_leaves, mirrors)])
+        return plan.treedef.unflatten(us), store(plan, stored)
+
     def offloaded_update(plan: ZeroPlan, grads, state: ZeroOptState, params):
         """The update on the host: partitions to host memory, updates back to device memory."""
+        recipe = native_recipe(plan, grads, params)
+        if recipe is not None:
+            return native_update(plan, recipe, grads, state, params)
         to_host = plan.map(lambda lay, x: jax.device_put(x, plan.master_sharding(lay)), grads)
         params_host = plan.map(lambda lay, x: jax.device_put(x, plan.master_sharding(lay)), params)
         try:

@@ -7,6 +7,7 @@ import numpy as np
 import optax
 import pytest
 
+from zerojax.kernels import native
 from zerojax.offload.flat import FlatLayout
 from zerojax.offload.host_adam import HostAdamW, _narrow, _widen
 from zerojax.offload.host_buffers import host_zeros
@@ -192,7 +193,7 @@ def test_compiled_step_matches_optax_adamw(monkeypatch, n, wd, scale, gdtype, od
     address = p.ctypes.data
     out16 = None if odtype is None else host_zeros(n, odtype)
     ranges = _spy_numpy_path(monkeypatch)
-    with HostAdamW(LR, B1, B2, EPS, wd, num_threads=1, block_elements=block) as opt:
+    with HostAdamW(LR, B1, B2, EPS, wd, num_threads=1, block_elements=block, native=False) as opt:
         for k, g in enumerate(grads):
             opt.step(p, g, m, v, count=k + 1, grad_scale=scale, out16=out16)
     # XLA updated the whole blocks from the gradients' first 64-byte aligned element on;
@@ -206,6 +207,50 @@ def test_compiled_step_matches_optax_adamw(monkeypatch, n, wd, scale, gdtype, od
     assert_matches(p, m, v, out16, odtype, reference)
 
 
+NATIVE_CASES = [
+    # n, wd, grad_scale, grads dtype, out16 dtype, threads, grads placement
+    (1000, 0.0, 1.0, np.float32, None, 1, "host"),
+    (200_003, 0.01, 1.0, np.float32, None, 2, "unaligned"),
+    (150_001, 0.1, 0.125, np.float32, BF16, 3, "aligned"),
+    (131_075, 0.01, 3.0, BF16, BF16, 2, "unaligned"),
+    (777, 0.0, 0.5, np.uint16, np.uint16, 2, "host"),
+]
+
+
+@pytest.mark.parametrize("n,wd,scale,gdtype,odtype,threads,where", NATIVE_CASES)
+def test_native_step_matches_optax_adamw(monkeypatch, n, wd, scale, gdtype, odtype, threads, where):
+    """The native kernel does the whole step (no element on the numpy path), in place, on
+    1-3 threads (the larger cases split across them), with optax's numbers."""
+    assert native.available(), "the native kernel must build here (g++ and jaxlib's FFI headers)"
+    p0, grads, reference = adam_problem(n, gdtype, scale, wd, place=lambda g: _grads_buffer(g, where))
+    p, m, v = host_zeros(n), host_zeros(n), host_zeros(n)
+    p[:] = p0
+    address = p.ctypes.data
+    out16 = None if odtype is None else host_zeros(n, odtype)
+    ranges = _spy_numpy_path(monkeypatch)
+    with HostAdamW(LR, B1, B2, EPS, wd, num_threads=threads) as opt:
+        for k, g in enumerate(grads):
+            opt.step(p, g, m, v, count=k + 1, grad_scale=scale, out16=out16)
+    assert ranges == []
+    assert p.ctypes.data == address
+    assert_matches(p, m, v, out16, odtype, reference)
+
+
+def test_native_kernel_leaves_float16_to_the_block_loop(monkeypatch):
+    """float16 gradients or copies are not the kernel's: XLA's block loop takes them (its
+    numpy remainder shows), with optax's numbers."""
+    n, block = 517, 48
+    p0, grads, reference = adam_problem(n, np.float16, 2.0, 0.01, place=lambda g: _grads_buffer(g, "host"))
+    p, m, v, out16 = host_zeros(n), host_zeros(n), host_zeros(n), host_zeros(n, np.float16)
+    p[:] = p0
+    ranges = _spy_numpy_path(monkeypatch)
+    with HostAdamW(LR, B1, B2, EPS, 0.01, num_threads=1, block_elements=block) as opt:
+        for k, g in enumerate(grads):
+            opt.step(p, g, m, v, count=k + 1, grad_scale=2.0, out16=out16)
+    assert ranges == [(n // block * block, n)] * 5
+    assert_matches(p, m, v, out16, np.float16, reference)
+
+
 def test_compiled_step_split_with_the_numpy_path(monkeypatch):
     """XLA takes the first blocks while numpy threads take the last ones."""
     n, block = 10_000, 512
@@ -217,7 +262,7 @@ def test_compiled_step_split_with_the_numpy_path(monkeypatch):
     p[:] = p0
     ranges = _spy_numpy_path(monkeypatch)
     with HostAdamW(1e-2, weight_decay=0.01, num_threads=3, chunk_elements=256,
-                   block_elements=block) as opt:
+                   block_elements=block, native=False) as opt:
         monkeypatch.setattr(opt._split, "share", lambda: 0.5)
         for k, g in enumerate(gs):
             g_host = host_zeros(n)
@@ -262,26 +307,27 @@ def test_compiled_and_numpy_paths_agree_and_buffers_update_in_place():
     gs = [(rng.standard_normal(n) * 0.1).astype(np.float32) for _ in range(3)]
     gs[1][:7] = [np.inf, -np.inf, np.nan, 1e30, -1e30, 0.0, 1e-30]  # g*g overflows from 1e30
     results = []
-    for compiled in (False, True):
+    for compiled, use_native in ((False, False), (True, False), (True, True)):
         p, m, v = host_zeros(n), host_zeros(n), host_zeros(n)
         p[:] = p0
         o16 = host_zeros(n, BF16)
         view = p.reshape(100, 500)[3]  # a view taken before the steps
         before = view.copy()
-        with HostAdamW(1e-3, weight_decay=0.1, compiled=compiled, block_elements=4096) as opt, \
-                np.errstate(over="ignore", invalid="ignore"):
+        with HostAdamW(1e-3, weight_decay=0.1, compiled=compiled, block_elements=4096,
+                       native=use_native) as opt, np.errstate(over="ignore", invalid="ignore"):
             for k, g in enumerate(gs):
                 opt.step(p, g, m, v, count=k + 1, out16=o16)
         assert not np.array_equal(view, before)
         np.testing.assert_array_equal(view, p[1500:2000])
         results.append((p, m, v, o16))
-    (p_np, m_np, v_np, _), (p_c, m_c, v_c, o_c) = results
-    assert np.isnan(p_c[:3]).all() and np.isfinite(p_c[3:]).all()
-    for a, b in ((p_c, p_np), (m_c, m_np), (v_c, v_np)):
-        np.testing.assert_array_equal(np.isnan(a), np.isnan(b))
-        assert_close(np.nan_to_num(a), np.nan_to_num(b))
-    # 16-bit copy rounds like numpy, NaN included (canonical quiet NaN, sign kept).
-    np.testing.assert_array_equal(o_c.view(np.uint16), p_c.astype(BF16).view(np.uint16))
+    (p_np, m_np, v_np, _), *compiled_runs = results
+    for p_c, m_c, v_c, o_c in compiled_runs:  # XLA's block loop, then the native kernel
+        assert np.isnan(p_c[:3]).all() and np.isfinite(p_c[3:]).all()
+        for a, b in ((p_c, p_np), (m_c, m_np), (v_c, v_np)):
+            np.testing.assert_array_equal(np.isnan(a), np.isnan(b))
+            assert_close(np.nan_to_num(a), np.nan_to_num(b))
+        # 16-bit copy rounds like numpy, NaN included (canonical quiet NaN, sign kept).
+        np.testing.assert_array_equal(o_c.view(np.uint16), p_c.astype(BF16).view(np.uint16))
 
 
 def test_plain_numpy_buffers_and_mixed_buffers_take_the_numpy_path(monkeypatch):
@@ -346,3 +392,28 @@ def test_compiled_16bit_rounding_matches_numpy_casts():
             np.testing.assert_array_equal(got, want)
         back = np.asarray(jax.jit(lambda a, k=kind: _widen(a, k))(jax.device_put(want, cpu)))
         np.testing.assert_array_equal(back, want.view(dtype).astype(np.float32))
+
+
+def test_without_a_compiler_the_kernel_is_refused_with_a_warning_and_xla_runs(monkeypatch):
+    """No C++ compiler: available() is False with a NativeKernelWarning naming why, HostAdamW
+    takes XLA's block loop (its numpy remainder shows) and still matches optax."""
+    monkeypatch.setattr(native, "_compiler", lambda: None)
+    native._load.cache_clear()
+    native._warn_once.cache_clear()
+    try:
+        with pytest.warns(native.NativeKernelWarning, match="no C.. compiler"):
+            assert not native.available()
+        n, block = 300, 64
+        p0, grads, reference = adam_problem(n, np.float32, 1.0, 0.01, place=lambda g: _grads_buffer(g, "host"))
+        p, m, v = host_zeros(n), host_zeros(n), host_zeros(n)
+        p[:] = p0
+        ranges = _spy_numpy_path(monkeypatch)
+        with HostAdamW(LR, B1, B2, EPS, 0.01, num_threads=1, block_elements=block) as opt:
+            for k, g in enumerate(grads):
+                opt.step(p, g, m, v, count=k + 1)
+        assert ranges == [(n // block * block, n)] * 5
+        assert_matches(p, m, v, None, None, reference)
+    finally:
+        monkeypatch.undo()
+        native._load.cache_clear()
+        assert native.available()

@@ -19,7 +19,11 @@ ways from where the buffers live:
 
 - **Compiled** (params, m, v and ``out16`` from ``host_zeros``, or from
   ``FlatLayout.empty``/``flatten``): their memory is owned by jax arrays on the CPU
-  backend and lent to numpy. One XLA program walks the buffers in blocks of
+  backend and lent to numpy. With fp32 or bfloat16 gradients and copies, the native kernel
+  (:mod:`zerojax.kernels.native`, C++ built at first use like DeepSpeed's CPU Adam) does
+  the whole step in one pass on ``num_threads`` threads, writing into the donated buffers;
+  it runs at the machine's streaming bandwidth. Otherwise (float16, ``native=False``, no
+  compiler) one XLA program walks the buffers in blocks of
   ``block_elements``: each block of p, g, m and v is read from memory once, in one pass
   that writes p, then m and v are updated while their blocks are in cache, each written
   back into the same memory (the arrays are donated and XLA reuses them; 16-bit data stay
@@ -57,6 +61,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from zerojax.kernels import native
 from zerojax.offload.host_buffers import BF16, F16, F32, U16, cpu_device, host_buffer_of, host_zeros
 from zerojax.offload.threads import ThreadSplit
 
@@ -178,6 +183,23 @@ def _compiled_step(head: int, block: int, gkind: str, okind: str | None):
                    compiler_options=_vector_options())
 
 
+@functools.cache
+def _native_step(threads: int, with16: bool):
+    """The jitted native step: (p, g, m, v, out16, scalars) -> (p, m, v, out16), in place."""
+
+    def step(p, g, m, v, o, s):
+        (p,), (m,), (v,), o16 = native.host_adamw(s, [p], [g], [m], [v], None if o is None else [o],
+                                                  updates=False, threads=threads)
+        return p, m, v, (o16[0] if with16 else None)
+
+    return jax.jit(step, donate_argnums=(0, 2, 3, 4) if with16 else (0, 2, 3))
+
+
+def _native_scalars(coefs) -> np.ndarray:
+    """The native kernel's nine scalars (see ``native.adamw_scalars``) from ``_coefficients``."""
+    return np.array(coefs[:7] + (0.0, 0.0), F32)
+
+
 def _kernel_scalars(coefs) -> np.ndarray:
     """The compiled step's scalars: AdamW's seven, a zero, the four moment ones again."""
     return np.array(coefs[:7] + (0.0,) + coefs[:4] + (0.0,) * 4, F32)
@@ -217,6 +239,9 @@ class HostAdamW:
       block_elements: elements per block of the compiled step: the block of every
         buffer is read from memory once, in one pass over all four, and stays in cache
         (L2) while m and v are written (32K elements: 128 KiB per fp32 buffer).
+      native: on the compiled path, run the whole step in the native kernel
+        (:mod:`zerojax.kernels.native`: one pass on ``num_threads`` threads) when it is
+        built and the dtypes are fp32 or bfloat16; False keeps XLA's block loop.
 
     ``step`` is thread-safe only with respect to itself being called from one thread
     at a time; use one instance per caller thread otherwise.
@@ -225,7 +250,7 @@ class HostAdamW:
     def __init__(self, lr: float = 1e-3, b1: float = 0.9, b2: float = 0.999,
                  eps: float = 1e-8, weight_decay: float = 0.0, *,
                  num_threads: int | None = None, chunk_elements: int = 65536,
-                 compiled: bool = True, block_elements: int = 32768):
+                 compiled: bool = True, block_elements: int = 32768, native: bool = True):
         if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
             raise ValueError(f"HostAdamW: b1={b1} and b2={b2} must lie in [0, 1).")
         if chunk_elements < _ALIGN or chunk_elements % _ALIGN:
@@ -244,6 +269,7 @@ class HostAdamW:
         self.chunk_elements = int(chunk_elements)
         self.compiled = bool(compiled)
         self.block_elements = int(block_elements)
+        self.native = bool(native)
         self._split = ThreadSplit(max(self.num_threads - 1, 0))
         self._compiled: set = set()
         c = self.chunk_elements
@@ -340,6 +366,8 @@ class HostAdamW:
         if any(o is None for o in owners) or len({id(o) for o in owners}) != len(owners) \
                 or not _in_place_ok():
             return False
+        if self.native and gkind in ("f32", "bf16") and okind in (None, "bf16") and native.available():
+            return self._step_native(owners, grads, gkind, okind, coefs)
         g_owner = host_buffer_of(grads)
         if g_owner is not None and g_owner.kind == gkind and all(g_owner is not o for o in owners):
             g, head = g_owner.array, 0
@@ -392,6 +420,28 @@ class HostAdamW:
                                xla_last, blocks * block, n - rest)
         if head:  # the elements before the gradients' aligned start
             self._run(0, 0, head, *args)
+        return True
+
+    def _step_native(self, owners, grads, gkind, okind, coefs) -> bool:
+        """The whole step in the native kernel, on ``num_threads`` threads, in place."""
+        g_owner = host_buffer_of(grads)
+        if g_owner is not None and g_owner.kind == gkind and all(g_owner is not o for o in owners):
+            g = g_owner.array
+        else:  # wraps an aligned numpy array's memory, copies an unaligned one
+            g = jax.device_put(grads if gkind == "f32" else grads.view(U16), cpu_device())
+        s = jax.device_put(_native_scalars(coefs), cpu_device())
+        with16 = okind is not None
+        out = _native_step(self.num_threads, with16)(
+            owners[0].array, g, owners[1].array, owners[2].array, owners[3].array if with16 else None, s)
+        out = [a for a in out if a is not None]
+        jax.block_until_ready(out)
+        moved = False
+        for owner, a in zip(owners, out):
+            moved |= a.unsafe_buffer_pointer() != owner.ptr
+            owner.array = a
+        if moved:
+            raise RuntimeError("HostAdamW: the native kernel did not update the host_zeros buffers in "
+                               "place; their numpy arrays are no longer valid. Use native=False.")
         return True
 
     def _coefficients(self, count: int, lr: float, s: float):

@@ -62,15 +62,17 @@ def _device_blocks(lay, w, block, dtype):
     values [N, nb * b] back to the leaf's logical shape."""
     widths = [(0, 0)] * w.ndim
     widths[lay.axis] = (0, lay.pad)
-    moved = np.moveaxis(np.pad(np.asarray(w, dtype), widths), lay.axis, 0)
-    rows = moved.reshape(N, -1)
+    padded = np.pad(np.asarray(w, dtype), widths)
+    # device d's row: its shard (the d-th slice along the split dim), flat in row-major order
+    before = int(np.prod(padded.shape[:lay.axis]))
+    rows = padded.reshape(before, N, -1).swapaxes(0, 1).reshape(N, -1)
     c = rows.shape[1]
     b = min(block, c)
     nb = -(-c // b)
     x = np.pad(rows, [(0, 0), (0, nb * b - c)]).reshape(N, nb, b)
 
     def back(values):
-        out = np.moveaxis(values.reshape(N, -1)[:, :c].reshape(moved.shape), 0, lay.axis)
+        out = values.reshape(N, -1)[:, :c].reshape(N, before, -1).swapaxes(0, 1).reshape(padded.shape)
         return out[tuple(slice(0, s) for s in lay.shape)]
 
     return x, back

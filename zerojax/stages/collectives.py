@@ -5,6 +5,8 @@ dimension divide the device count, and is added or removed here and nowhere else
 """
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -112,33 +114,37 @@ def buckets(sizes, limit: int):
     return out
 
 
-def _moved(lay: LeafLayout):
-    """The storage shape with the split dim first."""
-    moved = list(lay.storage_shape)
-    moved.insert(0, moved.pop(lay.axis))
-    return moved
+def _split_view(lay: LeafLayout, n: int):
+    """(before, inner): the storage seen as (before, n, inner), the split dim in the middle and
+    each device's part of it with everything after it contiguous in ``inner``."""
+    s, a = lay.storage_shape, lay.axis
+    return math.prod(s[:a]), s[a] // n * math.prod(s[a + 1:])
 
 
 def rows(x, lay: LeafLayout, n: int):
-    """Whole leaf (unpadded or padded) -> (n, chunk): row d is device d's partition, flat."""
-    return jnp.moveaxis(ZeroPlan.pad(x, lay), lay.axis, 0).reshape(n, -1)
+    """Whole leaf (unpadded or padded) -> (n, chunk): row d is device d's partition, flat in
+    its own row-major order (so a shard and its row are one reshape apart). Only the dims
+    before the split one are exchanged with the device axis: contiguous runs are moved, no
+    element transpose."""
+    before, inner = _split_view(lay, n)
+    return jnp.swapaxes(ZeroPlan.pad(x, lay).reshape(before, n, inner), 0, 1).reshape(n, -1)
 
 
 def shard_row(shard, lay: LeafLayout):
     """This device's shard -> its row of :func:`rows`."""
-    return jnp.moveaxis(shard, lay.axis, 0).reshape(-1)
+    return shard.reshape(-1)
 
 
 def unrow(flat, lay: LeafLayout, n: int):
     """One device's flat partition (a row of :func:`rows`) -> its shard in the leaf's layout."""
-    moved = _moved(lay)
-    moved[0] //= n
-    return jnp.moveaxis(flat.reshape(moved), 0, lay.axis)
+    return flat.reshape(local_shape(lay, n))
 
 
 def unrows(r, lay: LeafLayout):
     """All devices' rows (n, chunk) -> the whole (unpadded) leaf."""
-    return ZeroPlan.unpad(jnp.moveaxis(r.reshape(_moved(lay)), 0, lay.axis), lay)
+    n = r.shape[0]
+    before, inner = _split_view(lay, n)
+    return ZeroPlan.unpad(jnp.swapaxes(r.reshape(n, before, inner), 0, 1).reshape(lay.storage_shape), lay)
 
 
 def bucket_members(values, lays, bucket_size: int):
@@ -182,7 +188,7 @@ def bucketed_gather(shards, lays, axis_name: str, n: int, bucket_size: int):
         if len(members) == 1:
             out[members[0]] = gather(shards[members[0]], lays[members[0]], axis_name)
             continue
-        flats = [jnp.moveaxis(shards[i], lays[i].axis, 0).reshape(-1) for i in members]
+        flats = [shard_row(shards[i], lays[i]) for i in members]
         gathered = jax.lax.all_gather(jnp.concatenate(flats), axis_name, axis=0, tiled=False)  # (n, total)
         offset = 0
         for i, f in zip(members, flats):

@@ -172,6 +172,16 @@ def _grads_buffer(g, where):
     return out
 
 
+def host_problem(monkeypatch, n, gdtype, scale, wd, odtype, where):
+    """``adam_problem`` with p, m, v (and the 16-bit copy) in host buffers, the gradients placed
+    by ``_grads_buffer``, and the numpy path's ranges recorded."""
+    p0, grads, reference = adam_problem(n, gdtype, scale, wd, place=lambda g: _grads_buffer(g, where))
+    p, m, v = host_zeros(n), host_zeros(n), host_zeros(n)
+    p[:] = p0
+    out16 = None if odtype is None else host_zeros(n, odtype)
+    return p, m, v, out16, grads, reference, _spy_numpy_path(monkeypatch)
+
+
 COMPILED_CASES = [
     # n, wd, grad_scale, grads dtype, out16 dtype, block, grads placement
     (1000, 0.0, 1.0, np.float32, None, 256, "host"),
@@ -187,12 +197,8 @@ COMPILED_CASES = [
 @pytest.mark.parametrize("n,wd,scale,gdtype,odtype,block,where", COMPILED_CASES)
 def test_compiled_step_matches_optax_adamw(monkeypatch, n, wd, scale, gdtype, odtype, block,
                                            where):
-    p0, grads, reference = adam_problem(n, gdtype, scale, wd, place=lambda g: _grads_buffer(g, where))
-    p, m, v = host_zeros(n), host_zeros(n), host_zeros(n)
-    p[:] = p0
+    p, m, v, out16, grads, reference, ranges = host_problem(monkeypatch, n, gdtype, scale, wd, odtype, where)
     address = p.ctypes.data
-    out16 = None if odtype is None else host_zeros(n, odtype)
-    ranges = _spy_numpy_path(monkeypatch)
     with HostAdamW(LR, B1, B2, EPS, wd, num_threads=1, block_elements=block, native=False) as opt:
         for k, g in enumerate(grads):
             opt.step(p, g, m, v, count=k + 1, grad_scale=scale, out16=out16)
@@ -222,12 +228,8 @@ def test_native_step_matches_optax_adamw(monkeypatch, n, wd, scale, gdtype, odty
     """The native kernel does the whole step (no element on the numpy path), in place, on
     1-3 threads (the larger cases split across them), with optax's numbers."""
     assert native.available(), "the native kernel must build here (g++ and jaxlib's FFI headers)"
-    p0, grads, reference = adam_problem(n, gdtype, scale, wd, place=lambda g: _grads_buffer(g, where))
-    p, m, v = host_zeros(n), host_zeros(n), host_zeros(n)
-    p[:] = p0
+    p, m, v, out16, grads, reference, ranges = host_problem(monkeypatch, n, gdtype, scale, wd, odtype, where)
     address = p.ctypes.data
-    out16 = None if odtype is None else host_zeros(n, odtype)
-    ranges = _spy_numpy_path(monkeypatch)
     with HostAdamW(LR, B1, B2, EPS, wd, num_threads=threads) as opt:
         for k, g in enumerate(grads):
             opt.step(p, g, m, v, count=k + 1, grad_scale=scale, out16=out16)
@@ -240,10 +242,7 @@ def test_native_kernel_leaves_float16_to_the_block_loop(monkeypatch):
     """float16 gradients or copies are not the kernel's: XLA's block loop takes them (its
     numpy remainder shows), with optax's numbers."""
     n, block = 517, 48
-    p0, grads, reference = adam_problem(n, np.float16, 2.0, 0.01, place=lambda g: _grads_buffer(g, "host"))
-    p, m, v, out16 = host_zeros(n), host_zeros(n), host_zeros(n), host_zeros(n, np.float16)
-    p[:] = p0
-    ranges = _spy_numpy_path(monkeypatch)
+    p, m, v, out16, grads, reference, ranges = host_problem(monkeypatch, n, np.float16, 2.0, 0.01, np.float16, "host")
     with HostAdamW(LR, B1, B2, EPS, 0.01, num_threads=1, block_elements=block) as opt:
         for k, g in enumerate(grads):
             opt.step(p, g, m, v, count=k + 1, grad_scale=2.0, out16=out16)
@@ -404,10 +403,7 @@ def test_without_a_compiler_the_kernel_is_refused_with_a_warning_and_xla_runs(mo
         with pytest.warns(native.NativeKernelWarning, match="no C.. compiler"):
             assert not native.available()
         n, block = 300, 64
-        p0, grads, reference = adam_problem(n, np.float32, 1.0, 0.01, place=lambda g: _grads_buffer(g, "host"))
-        p, m, v = host_zeros(n), host_zeros(n), host_zeros(n)
-        p[:] = p0
-        ranges = _spy_numpy_path(monkeypatch)
+        p, m, v, _, grads, reference, ranges = host_problem(monkeypatch, n, np.float32, 1.0, 0.01, None, "host")
         with HostAdamW(LR, B1, B2, EPS, 0.01, num_threads=1, block_elements=block) as opt:
             for k, g in enumerate(grads):
                 opt.step(p, g, m, v, count=k + 1)

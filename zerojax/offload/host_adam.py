@@ -223,6 +223,18 @@ def _in_place_ok() -> bool:
 
 
 
+def _take_back(owners, out, who: str, fix: str) -> None:
+    """Waits for the step's results and hands them to the buffers they were written into."""
+    jax.block_until_ready(out)
+    moved = False
+    for owner, a in zip(owners, out):
+        moved |= a.unsafe_buffer_pointer() != owner.ptr
+        owner.array = a
+    if moved:
+        raise RuntimeError(f"HostAdamW: {who} did not update the host_zeros buffers in place; their "
+                           f"numpy arrays are no longer valid. Use {fix}.")
+
+
 class HostAdamW:
     """In-place AdamW over flat host buffers, equal to ``optax.adamw`` up to fp32 rounding.
 
@@ -406,15 +418,7 @@ class HostAdamW:
             numpy_done = time.perf_counter()
             xla_last = out is not None and not all(a.is_ready() for a in out)
             if out is not None:
-                jax.block_until_ready(out)
-                moved = False
-                for owner, a in zip(owners, out):
-                    moved |= a.unsafe_buffer_pointer() != owner.ptr
-                    owner.array = a
-                if moved:
-                    raise RuntimeError("HostAdamW: XLA did not update the host_zeros buffers "
-                                       "in place; their numpy arrays are no longer valid. "
-                                       "Use compiled=False.")
+                _take_back(owners, out, "XLA", "compiled=False")
         if timed:
             self._split.record(share, time.perf_counter() - start, numpy_done - start,
                                xla_last, blocks * block, n - rest)
@@ -433,15 +437,7 @@ class HostAdamW:
         with16 = okind is not None
         out = _native_step(self.num_threads, with16)(
             owners[0].array, g, owners[1].array, owners[2].array, owners[3].array if with16 else None, s)
-        out = [a for a in out if a is not None]
-        jax.block_until_ready(out)
-        moved = False
-        for owner, a in zip(owners, out):
-            moved |= a.unsafe_buffer_pointer() != owner.ptr
-            owner.array = a
-        if moved:
-            raise RuntimeError("HostAdamW: the native kernel did not update the host_zeros buffers in "
-                               "place; their numpy arrays are no longer valid. Use native=False.")
+        _take_back(owners, [a for a in out if a is not None], "the native kernel", "native=False")
         return True
 
     def _coefficients(self, count: int, lr: float, s: float):

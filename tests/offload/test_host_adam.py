@@ -413,3 +413,27 @@ def test_without_a_compiler_the_kernel_is_refused_with_a_warning_and_xla_runs(mo
         monkeypatch.undo()
         native._load.cache_clear()
         assert native.available()
+
+
+@pytest.mark.parametrize("updates", [False, True])
+def test_native_skipped_step_touches_nothing(updates):
+    """apply=False (an overflowed fp16 step): params and moments stay bit for bit, the non-finite
+    gradients are not read, the updates (written over the gradients) are zeros; apply=True with
+    the same call moves them."""
+    rng = np.random.default_rng(7)
+    p, m = (jnp.asarray(rng.standard_normal(1000, dtype=np.float32)) for _ in range(2))
+    v = jnp.asarray(rng.random(1000, dtype=np.float32))
+    g = jnp.full((1000,), np.nan, jnp.float32).at[::3].set(np.inf)
+
+    @jax.jit
+    def step(apply, g):
+        s = native.adamw_scalars(3, 1e-2, 0.9, 0.999, 1e-8, 0.1, apply=apply)
+        out, mu, nu, _ = native.host_adamw(s, [p], [g], [m], [v], updates=updates)
+        return out[0], mu[0], nu[0]
+
+    out, mu, nu = step(False, g)
+    np.testing.assert_array_equal(np.asarray(out), np.zeros(1000) if updates else np.asarray(p))
+    np.testing.assert_array_equal(np.asarray(mu), np.asarray(m))
+    np.testing.assert_array_equal(np.asarray(nu), np.asarray(v))
+    out, mu, nu = step(True, jnp.ones(1000, jnp.float32))
+    assert not np.array_equal(np.asarray(mu), np.asarray(m)) and np.isfinite(np.asarray(out)).all()

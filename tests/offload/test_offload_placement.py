@@ -6,6 +6,7 @@ import optax
 import pytest
 
 import zerojax as zj
+from zerojax.kernels import native
 import jax.numpy as jnp
 
 from tests.helpers import OPTIMIZERS, batches, init_params, loss_fn, max_rel_err, reference_train
@@ -61,18 +62,34 @@ def _host_calls(state, batch):
     return [line for line in text.splitlines() if "call @host_apply(" in line]
 
 
+def _kernel_calls(state, batch):
+    text = zj.make_train_step(loss_fn, state).lower(state, batch).as_text()
+    return [line for line in text.splitlines() if f"@{native.TARGET}(" in line]
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_update_runs_on_the_host_fed_16_bit_gradients(stage):
+def test_update_runs_on_the_host_fed_16_bit_gradients(stage, monkeypatch):
+    """On this CPU mesh AdamW runs in the native host kernel, fed the bf16 gradients; without the
+    kernel (as on a GPU mesh) under compute_on("device_host"), fed the same."""
     params = init_params(jax.random.PRNGKey(0))
     b = batches(1)[0]
     on_device = zj.shard_train_state(params, optax.adamw(1e-2), config=zj.ZeroConfig(stage=stage, precision="bf16"))
-    assert _host_calls(on_device, b) == []
+    assert _host_calls(on_device, b) == [] and _kernel_calls(on_device, b) == []
     state = zj.shard_train_state(params, optax.adamw(1e-2), config=zj.ZeroConfig(
         stage=stage, precision="bf16", offload_optimizer="cpu", param_persistence_threshold=0))
+    n = len(state.plan.leaves)
+    kernel = _kernel_calls(state, b)
+    assert len(kernel) == 1 and _host_calls(state, b) == []
+    # operands: the scalars, then per leaf the fp32 master, the bf16 gradient and both fp32 moments
+    operands = kernel[0].rsplit(": (", 1)[1].split(") ->")[0]
+    types = [t.strip(" ,") for t in operands.split("tensor<")[1:]]
+    assert len(types) == 1 + 4 * n
+    assert all(t.endswith("bf16>") for t in types[2::4]), types[2::4]
+    assert all(t.endswith("f32>") for i, t in enumerate(types) if i % 4 != 2), types
+    monkeypatch.setattr(native, "available", lambda warn=True: False)
     calls = _host_calls(state, b)
     assert len(calls) == 1 and '_xla_compute_type = "host"' in calls[0]
     operands = calls[0].split(":", 1)[1].split("->")[0]
-    n = len(state.plan.leaves)
     # inputs: n gradients (bf16), n fp32 master leaves, then the optimizer state
     types = [t.strip() for t in operands.strip(" ()").split("tensor<")[1:]]
     assert all(t.endswith("bf16>,") or t.endswith("bf16>") for t in types[:n]), types[:n]

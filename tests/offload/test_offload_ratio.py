@@ -12,6 +12,7 @@ import pytest
 import zerojax as zj
 from tests.helpers import OPTIMIZERS, batches, init_params, loss_fn, max_rel_err, reference_train
 from zerojax.checkpoint import CheckpointManager
+from zerojax.kernels import native
 from zerojax.plan import host_share
 
 N = 8  # devices (tests/conftest.py)
@@ -130,7 +131,10 @@ def _host_call_gradients(state, batch):
     return [t for t in operands.split("tensor<")[1:] if "bf16" in t]
 
 
-def test_only_the_host_side_goes_to_the_host():
+def test_only_the_host_side_goes_to_the_host(monkeypatch):
+    # both under compute_on, as on a GPU mesh (full offload on this CPU mesh would otherwise run
+    # the native host kernel, which tests/offload/test_offload_placement.py checks)
+    monkeypatch.setattr(native, "available", lambda warn=True: False)
     params = init_params(jax.random.PRNGKey(0))
     b = batches(1)[0]
     half = zj.shard_train_state(params, TX(), config=config(0.5, precision="bf16"))

@@ -1,6 +1,6 @@
 // AdamW over host buffers in one pass, split across threads: an XLA FFI handler for the CPU.
 //
-// Operands: scalars (f32[9]), then for each of `leaves` leaves: p, g, m, v, and o16 when
+// Operands: scalars (f32[10]), then for each of `leaves` leaves: p, g, m, v, and o16 when
 // `out16` is set.  Results per leaf: first (p' in place, or the optax updates u aliased to g),
 // m', v', and o16' when `out16` is set.  The Python side (zerojax/kernels/native.py) aliases
 // every result to the operand it replaces, so the pass reads p, g, m, v once and writes each
@@ -8,7 +8,7 @@
 //
 // scalars: b1, c1 = (1 - b1) * s, b2, c2 = (1 - b2) * s^2, eps_hat = eps * sqrt(bc2),
 //          step = lr * sqrt(bc2) / bc1, decay = 1 - lr * wd, lr_wd = lr * wd,
-//          root_hat = eps_root * bc2
+//          root_hat = eps_root * bc2, apply (0: a skipped step, nothing is touched)
 //   m' = b1 m + c1 g;  v' = b2 v + c2 g^2;  d = step m' / (sqrt(v' + root_hat) + eps_hat)
 //   params mode:  p' = decay p - d        updates mode:  u = -d - lr_wd p
 // g is f32 or bf16 (u16 bits); o16 receives p' rounded to nearest even as bf16 bits.
@@ -116,11 +116,14 @@ ffi::Error AdamWImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t l
     return ffi::Error::InvalidArgument("zerojax_host_adamw: operand/result count does not match `leaves`");
   }
   auto scal = args.get<ffi::AnyBuffer>(0);
-  if (!scal.has_value() || scal->element_type() != ffi::F32 || scal->element_count() != 9) {
-    return ffi::Error::InvalidArgument("zerojax_host_adamw: scalars must be f32[9]");
+  if (!scal.has_value() || scal->element_type() != ffi::F32 || scal->element_count() != 10) {
+    return ffi::Error::InvalidArgument("zerojax_host_adamw: scalars must be f32[10]");
   }
   const float* s = static_cast<const float*>(scal->untyped_data());
   const Coefs c{s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7], s[8]};
+  // A skipped step (fp16 overflow) leaves every result as its operand: the results are
+  // aliased to the operands, so untouched they hold the old values bit for bit.
+  const bool apply = s[9] != 0.0f;
   std::vector<Leaf> ls(leaves);
   std::vector<RunFn> fns(leaves);
   int64_t total = 0;
@@ -168,6 +171,12 @@ ffi::Error AdamWImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t l
     L.in_v = static_cast<const float*>(vi->untyped_data());
     fns[k] = Pick(gt != ffi::F32, updates != 0, out16 != 0);
     total += n;
+  }
+  if (!apply) {
+    if (updates) {  // the updates of a skipped step are zeros (they are written over g)
+      for (const Leaf& L : ls) std::memset(L.out, 0, sizeof(float) * L.n);
+    }
+    return ffi::Error::Success();
   }
   const int64_t min_per_thread = 1 << 16;
   int64_t k = std::max<int64_t>(1, std::min<int64_t>(threads, total / min_per_thread));

@@ -141,13 +141,15 @@ def _warn_once(why: str) -> None:
                   NativeKernelWarning, stacklevel=3)
 
 
-def adamw_scalars(count, lr, b1, b2, eps, wd, grad_scale=1.0, eps_root=0.0):
-    """The kernel's nine fp32 scalars for step ``count`` (1-based), traced or not.
+def adamw_scalars(count, lr, b1, b2, eps, wd, grad_scale=1.0, eps_root=0.0, apply=True):
+    """The kernel's ten fp32 scalars for step ``count`` (1-based), traced or not.
 
     Bias correction is folded into three of them, as ``HostAdamW`` does:
     ``mhat / (sqrt(vhat + eps_root) + eps)
     = (sqrt(bc2) / bc1) * m / (sqrt(v + eps_root * bc2) + eps * sqrt(bc2))``; ``grad_scale``
-    multiplies the gradients (folded into the moments' coefficients)."""
+    multiplies the gradients (folded into the moments' coefficients). Where ``apply`` is false
+    (a skipped fp16 step) the kernel leaves params and moments exactly as they were and never
+    reads the gradients (non-finite then)."""
     f = jnp.float32
     # 1 - b in the precision b comes in, as optax does (a Python 0.999 gives exactly 1e-3, not
     # the fp32 difference 9.99987e-4)
@@ -158,7 +160,7 @@ def adamw_scalars(count, lr, b1, b2, eps, wd, grad_scale=1.0, eps_root=0.0):
     bc1, bc2 = 1 - b1 ** count, 1 - b2 ** count
     root = jnp.sqrt(bc2)
     return jnp.stack([b1, take1 * s, b2, take2 * s * s, eps * root, lr * root / bc1,
-                      1 - lr * wd, lr * wd, er * bc2]).astype(f)
+                      1 - lr * wd, lr * wd, er * bc2, jnp.asarray(apply, f)]).astype(f)
 
 
 def host_adamw(scalars, params, grads, mu, nu, out16=None, *, updates: bool, threads: int | None = None):

@@ -196,8 +196,8 @@ def _native_step(threads: int, with16: bool):
 
 
 def _native_scalars(coefs) -> np.ndarray:
-    """The native kernel's nine scalars (see ``native.adamw_scalars``) from ``_coefficients``."""
-    return np.array(coefs[:7] + (0.0, 0.0), F32)
+    """The native kernel's ten scalars (see ``native.adamw_scalars``) from ``_coefficients``."""
+    return np.array(coefs[:7] + (0.0, 0.0, 1.0), F32)
 
 
 def _kernel_scalars(coefs) -> np.ndarray:

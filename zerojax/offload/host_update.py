@@ -4,7 +4,9 @@ The (still loss-scaled) gradients travel to the host in the compute dtype, the h
 (``compute_on("device_host")``) updates the fp32 master and moments that live in pinned host
 memory, and sends back compute-dtype params, which the device then gathers (stages 1–2).
 With ``offload_ratio`` < 1 the trees passed in hold only the host side's params (the others
-are None, optax's idiom for params it leaves alone); the device updates those itself.
+are None, optax's idiom for params it leaves alone); the device updates those itself. On a
+mesh of CPU devices an Adam/AdamW on fp32 states runs in the native host kernel instead
+(:func:`native_host_apply_fn`).
 """
 from __future__ import annotations
 
@@ -12,13 +14,68 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import optax
+from jax.sharding import PartitionSpec as P
 
-from zerojax._compat import same_memory_space
+from zerojax._compat import same_memory_space, shard_map, to_device_memory
+from zerojax.kernels import native
 from zerojax.plan import ZeroPlan
+from zerojax.stages.adam import AdamRecipe, adam_node, step_hyperparams
 from zerojax.stages.gated import gated_update, plan_recipe
+from zerojax.stages.gating import replace_node, select_scalars
 from zerojax.stages.update import optax_update
 
-__all__ = ["host_apply_fn"]
+__all__ = ["host_apply_fn", "native_host_apply_fn"]
+
+
+def native_host_apply_fn(plan: ZeroPlan, tx):
+    """``host_apply_fn``'s update in the native host kernel (:mod:`zerojax.kernels.native`), or
+    None where it cannot run: a mesh of CPU devices (their memory is the host's), an Adam/AdamW
+    on fp32 masters and moments that the gated pass recognises, 32- or bf16 compute dtype, the
+    whole state on the host, and the kernel built. Called outside ``compute_on``: each device's
+    partition of the master and moments (in host memory) is updated in place in one pass, the
+    loss scale and clip coefficient folded into the kernel's scalars; a skipped step touches
+    nothing."""
+    recipe = None if plan.partial_offload else plan_recipe(plan, tx)
+    if not isinstance(recipe, AdamRecipe) or any(d.platform != "cpu" for d in plan.mesh.devices.flat):
+        return None
+    if jnp.dtype(plan.compute_dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)) \
+            or not native.available():
+        return None
+    specs = [plan.master_sharding(lay).spec for lay in plan.leaves]
+    threads = max(1, native.default_threads() // max(1, len(plan.mesh.local_devices)))
+
+    def host_apply(grads, master, opt_state, scale, coef, skip, key=None):
+        leaves, treedef = jax.tree_util.tree_flatten(opt_state)
+        mirrors = plan.opt_leaf_layouts(opt_state, stored=True)
+        # the counts and hyperparameters step on the device; the moments are the kernel's
+        inner = treedef.unflatten([x if lay is not None else to_device_memory(x) for x, lay in zip(leaves, mirrors)])
+        hp, before, after = step_hyperparams(tx, inner)
+        hp = recipe.constants if recipe.constants is not None else hp
+        node = adam_node(inner)
+        scalars = native.adamw_scalars(
+            optax.safe_increment(node.count), hp["learning_rate"], hp["b1"], hp["b2"], hp["eps"],
+            hp["weight_decay"], grad_scale=1.0 / (to_device_memory(scale) * coef), eps_root=hp.get("eps_root", 0.0),
+            apply=~skip)
+
+        def body(s, ps, gs, ms, vs):
+            ps, ms, vs, _ = native.host_adamw(s, ps, gs, ms, vs, updates=False, threads=threads)
+            return ps, ms, vs
+
+        flat = plan.treedef.flatten_up_to
+        ps, mu, nu = shard_map(body, plan.mesh, in_specs=(P(), specs, specs, specs, specs),
+                               out_specs=(specs, specs, specs))(
+            scalars, flat(master), flat(grads), flat(node.mu), flat(node.nu))
+        new_master = plan.treedef.unflatten(ps)
+        scal = select_scalars(~skip, after, before)
+        new = replace_node(scal, adam_node(scal)._replace(mu=plan.treedef.unflatten(mu), nu=plan.treedef.unflatten(nu)))
+        new = jax.tree_util.tree_map(same_memory_space, new, opt_state)
+        new_master = jax.tree_util.tree_map(same_memory_space, new_master, master)
+        new_params = jax.tree_util.tree_map(lambda x: x.astype(plan.compute_dtype), new_master)
+        return new_params, (new_master if plan.has_master else None), new
+
+    return host_apply
+
 
 def host_apply_fn(plan: ZeroPlan, tx):
     """The optimizer update as it runs on the host (``compute_on``): compute-dtype, loss-scaled

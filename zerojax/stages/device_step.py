@@ -24,7 +24,7 @@ from zerojax.contract import METRIC_KEYS, NON_FINITE, OK, SCALE_AT_MIN, StepBase
 from zerojax.errors import HostUpdateWarning
 from zerojax.kernels.fused_update import fused_adamw_update
 from zerojax.low_precision import update_key
-from zerojax.offload.host_update import host_apply_fn
+from zerojax.offload.host_update import host_apply_fn, native_host_apply_fn
 from zerojax.offload.partial import check_split
 from zerojax.plan import DEVICE, ZeroPlan
 from zerojax.precision import global_norm, step_is_finite
@@ -45,7 +45,9 @@ def _update_fn(loss_fn: Callable, plan: ZeroPlan, tx, has_aux: bool, fused_adam:
     check_split(plan, tx)
     split = plan.partial_offload  # offload_ratio < 1: some params' state on the host, the rest here
 
-    host_apply = compute_on_host(host_apply_fn(plan, tx)) if plan.host_update else None
+    host_apply = None
+    if plan.host_update:  # the native host kernel on CPU meshes, else the update under compute_on
+        host_apply = native_host_apply_fn(plan, tx) or compute_on_host(host_apply_fn(plan, tx))
     # Adam/AdamW, SGD momentum on fp32 states: one gated pass, no select over the state (stages/gated.py)
     recipe = adam_recipe(tx) if fused_adam else None
     gated = None if fused_adam else plan_recipe(plan, tx)

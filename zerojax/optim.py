@@ -38,16 +38,16 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from zerojax._compat import compute_on_host, same_memory_space, shard_map, to_device_memory
+from zerojax._compat import compute_on_host, same_memory_space, to_device_memory
 from zerojax.config import ZeroConfig
 from zerojax.errors import ConfigError, HostUpdateWarning, IgnoredKeysWarning
 from zerojax.kernels import native
 from zerojax.mesh import make_mesh
+from zerojax.offload.host_update import native_adam_pass, on_cpu_mesh
 from zerojax.plan import DEVICE, ZeroPlan
 from zerojax.precision import global_norm
 from zerojax.stages import collectives as C
-from zerojax.stages.adam import adam_node, adam_recipe, step_hyperparams
-from zerojax.stages.gating import replace_node
+from zerojax.stages.adam import adam_recipe
 from zerojax.stages.update import clip_coefficient
 
 
@@ -202,7 +202,7 @@ def zero_optimizer(tx: optax.GradientTransformation, *, mesh=None,
         """Adam's recipe when the native host kernel can run this update, else None: a mesh of
         CPU devices (their memory is the host's), an Adam/AdamW the gated pass reproduces, fp32
         grads and params, and the kernel built."""
-        if any(d.platform != "cpu" for d in plan.mesh.devices.flat):
+        if not on_cpu_mesh(plan):
             return None
         if any(x.dtype != jnp.float32 for x in jax.tree_util.tree_leaves((grads, params))):
             return None
@@ -219,30 +219,12 @@ def zero_optimizer(tx: optax.GradientTransformation, *, mesh=None,
         # the moments stay lifted, in host memory, for the kernel; the scalars step on the device
         inner = treedef.unflatten([x if lay is not None else to_device_memory(low)
                                    for x, low, lay in zip(leaves, lowered, mirrors)])
-        hp, _, after = step_hyperparams(tx, inner)
-        hp = recipe.constants if recipe.constants is not None else hp
-        node = adam_node(inner)
-        scalars = native.adamw_scalars(optax.safe_increment(node.count), hp["learning_rate"], hp["b1"], hp["b2"],
-                                       hp["eps"], hp["weight_decay"], eps_root=hp.get("eps_root", 0.0))
-        specs = [plan.master_sharding(lay).spec for lay in plan.leaves]
-        lifted = [P(*(None,) * k, *spec) for spec in specs]
-        # every device of a CPU mesh runs its program at once: share the cores between them
-        threads = max(1, native.default_threads() // max(1, len(plan.mesh.local_devices)))
-
-        def body(s, ps, gs, ms, vs):
-            us, ms, vs, _ = native.host_adamw(s, ps, gs, ms, vs, updates=True, threads=threads)
-            return us, ms, vs
-
-        flat = plan.treedef.flatten_up_to
-        us, mu, nu = shard_map(body, plan.mesh, in_specs=(P(), specs, specs, lifted, lifted),
-                               out_specs=(specs, lifted, lifted))(
-            scalars, flat(params), flat(grads), flat(node.mu), flat(node.nu))
-        new = replace_node(after, adam_node(after)._replace(mu=plan.treedef.unflatten(mu),
-                                                            nu=plan.treedef.unflatten(nu)))
+        lifted = [P(*(None,) * k, *plan.master_sharding(lay).spec) for lay in plan.leaves]
+        us, new = native_adam_pass(plan, tx, recipe, inner, params, grads, lifted, updates=True)
         new_leaves = jax.tree_util.tree_leaves(new)
         stored = treedef.unflatten([x if lay is not None else x.reshape((1,) * k + x.shape)
                                     for x, lay in zip(new_leaves, mirrors)])
-        return plan.treedef.unflatten(us), store(plan, stored)
+        return us, store(plan, stored)
 
     def offloaded_update(plan: ZeroPlan, grads, state: ZeroOptState, params):
         """The update on the host: partitions to host memory, updates back to device memory."""

@@ -25,50 +25,67 @@ from zerojax.stages.gated import gated_update, plan_recipe
 from zerojax.stages.gating import replace_node, select_scalars
 from zerojax.stages.update import optax_update
 
-__all__ = ["host_apply_fn", "native_host_apply_fn"]
+__all__ = ["host_apply_fn", "native_adam_pass", "native_host_apply_fn", "on_cpu_mesh"]
+
+
+def on_cpu_mesh(plan: ZeroPlan) -> bool:
+    """Whether every device of the plan's mesh is a CPU device (whose memory is the host's)."""
+    return all(d.platform == "cpu" for d in plan.mesh.devices.flat)
+
+
+def native_adam_pass(plan: ZeroPlan, tx, recipe, inner, params, grads, moment_specs, *, updates: bool,
+                     grad_scale=1.0, apply=True):
+    """One Adam/AdamW step in the native host kernel over each device's partition.
+
+    ``inner``: the optax state, its scalar leaves (counts, injected hyperparameters) in device
+    memory and its moments as stored (``moment_specs``: their specs, one per param); ``params``,
+    ``grads``: params-structured, split like the master. Returns the kernel's first results
+    (the new params, or with ``updates`` optax's updates written over the gradients) and the
+    new state: counts and hyperparameters advanced as optax's (kept where ``apply`` is false),
+    the moments the kernel's."""
+    hp, before, after = step_hyperparams(tx, inner)
+    hp = recipe.constants if recipe.constants is not None else hp
+    node = adam_node(inner)
+    scalars = native.adamw_scalars(optax.safe_increment(node.count), hp["learning_rate"], hp["b1"], hp["b2"],
+                                   hp["eps"], hp["weight_decay"], grad_scale=grad_scale,
+                                   eps_root=hp.get("eps_root", 0.0), apply=apply)
+    specs = [plan.master_sharding(lay).spec for lay in plan.leaves]
+    # every device of a CPU mesh runs its program at once: share the cores between them
+    threads = max(1, native.default_threads() // max(1, len(plan.mesh.local_devices)))
+
+    def body(s, ps, gs, ms, vs):
+        first, ms, vs, _ = native.host_adamw(s, ps, gs, ms, vs, updates=updates, threads=threads)
+        return first, ms, vs
+
+    flat, unflat = plan.treedef.flatten_up_to, plan.treedef.unflatten
+    first, mu, nu = shard_map(body, plan.mesh, in_specs=(P(), specs, specs, moment_specs, moment_specs),
+                              out_specs=(specs, moment_specs, moment_specs))(
+        scalars, flat(params), flat(grads), flat(node.mu), flat(node.nu))
+    scal = after if apply is True else select_scalars(apply, after, before)
+    return unflat(first), replace_node(scal, adam_node(scal)._replace(mu=unflat(mu), nu=unflat(nu)))
 
 
 def native_host_apply_fn(plan: ZeroPlan, tx):
     """``host_apply_fn``'s update in the native host kernel (:mod:`zerojax.kernels.native`), or
-    None where it cannot run: a mesh of CPU devices (their memory is the host's), an Adam/AdamW
-    on fp32 masters and moments that the gated pass recognises, 32- or bf16 compute dtype, the
-    whole state on the host, and the kernel built. Called outside ``compute_on``: each device's
-    partition of the master and moments (in host memory) is updated in place in one pass, the
-    loss scale and clip coefficient folded into the kernel's scalars; a skipped step touches
-    nothing."""
+    None where it cannot run: a mesh of CPU devices, an Adam/AdamW on fp32 masters and moments
+    that the gated pass recognises, 32- or bf16 compute dtype, the whole state on the host, and
+    the kernel built. Called outside ``compute_on``: each device's partition of the master and
+    moments (in host memory) is updated in place in one pass, the loss scale and clip
+    coefficient folded into the kernel's scalars; a skipped step touches nothing."""
     recipe = None if plan.partial_offload else plan_recipe(plan, tx)
-    if not isinstance(recipe, AdamRecipe) or any(d.platform != "cpu" for d in plan.mesh.devices.flat):
+    if not isinstance(recipe, AdamRecipe) or not on_cpu_mesh(plan):
         return None
     if jnp.dtype(plan.compute_dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)) \
             or not native.available():
         return None
     specs = [plan.master_sharding(lay).spec for lay in plan.leaves]
-    threads = max(1, native.default_threads() // max(1, len(plan.mesh.local_devices)))
 
     def host_apply(grads, master, opt_state, scale, coef, skip, key=None):
         leaves, treedef = jax.tree_util.tree_flatten(opt_state)
         mirrors = plan.opt_leaf_layouts(opt_state, stored=True)
-        # the counts and hyperparameters step on the device; the moments are the kernel's
         inner = treedef.unflatten([x if lay is not None else to_device_memory(x) for x, lay in zip(leaves, mirrors)])
-        hp, before, after = step_hyperparams(tx, inner)
-        hp = recipe.constants if recipe.constants is not None else hp
-        node = adam_node(inner)
-        scalars = native.adamw_scalars(
-            optax.safe_increment(node.count), hp["learning_rate"], hp["b1"], hp["b2"], hp["eps"],
-            hp["weight_decay"], grad_scale=1.0 / (to_device_memory(scale) * coef), eps_root=hp.get("eps_root", 0.0),
-            apply=~skip)
-
-        def body(s, ps, gs, ms, vs):
-            ps, ms, vs, _ = native.host_adamw(s, ps, gs, ms, vs, updates=False, threads=threads)
-            return ps, ms, vs
-
-        flat = plan.treedef.flatten_up_to
-        ps, mu, nu = shard_map(body, plan.mesh, in_specs=(P(), specs, specs, specs, specs),
-                               out_specs=(specs, specs, specs))(
-            scalars, flat(master), flat(grads), flat(node.mu), flat(node.nu))
-        new_master = plan.treedef.unflatten(ps)
-        scal = select_scalars(~skip, after, before)
-        new = replace_node(scal, adam_node(scal)._replace(mu=plan.treedef.unflatten(mu), nu=plan.treedef.unflatten(nu)))
+        new_master, new = native_adam_pass(plan, tx, recipe, inner, master, grads, specs, updates=False,
+                                           grad_scale=1.0 / (to_device_memory(scale) * coef), apply=~skip)
         new = jax.tree_util.tree_map(same_memory_space, new, opt_state)
         new_master = jax.tree_util.tree_map(same_memory_space, new_master, master)
         new_params = jax.tree_util.tree_map(lambda x: x.astype(plan.compute_dtype), new_master)

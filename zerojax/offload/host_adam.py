@@ -223,6 +223,15 @@ def _in_place_ok() -> bool:
 
 
 
+def _owned_grads(grads, gkind: str, owners):
+    """The jax array of a ``host_zeros`` buffer holding exactly ``grads`` in their format (and
+    not one of the buffers being updated), or None."""
+    g_owner = host_buffer_of(grads)
+    if g_owner is not None and g_owner.kind == gkind and all(g_owner is not o for o in owners):
+        return g_owner.array
+    return None
+
+
 def _take_back(owners, out, who: str, fix: str) -> None:
     """Waits for the step's results and hands them to the buffers they were written into."""
     jax.block_until_ready(out)
@@ -380,10 +389,8 @@ class HostAdamW:
             return False
         if self.native and gkind in ("f32", "bf16") and okind in (None, "bf16") and native.available():
             return self._step_native(owners, grads, gkind, okind, coefs)
-        g_owner = host_buffer_of(grads)
-        if g_owner is not None and g_owner.kind == gkind and all(g_owner is not o for o in owners):
-            g, head = g_owner.array, 0
-        else:
+        g, head = _owned_grads(grads, gkind, owners), 0
+        if g is None:
             g_np = grads if gkind == "f32" else grads.view(U16)
             ptr, size = g_np.ctypes.data, g_np.itemsize
             if ptr % size:
@@ -428,10 +435,8 @@ class HostAdamW:
 
     def _step_native(self, owners, grads, gkind, okind, coefs) -> bool:
         """The whole step in the native kernel, on ``num_threads`` threads, in place."""
-        g_owner = host_buffer_of(grads)
-        if g_owner is not None and g_owner.kind == gkind and all(g_owner is not o for o in owners):
-            g = g_owner.array
-        else:  # wraps an aligned numpy array's memory, copies an unaligned one
+        g = _owned_grads(grads, gkind, owners)
+        if g is None:  # wraps an aligned numpy array's memory, copies an unaligned one
             g = jax.device_put(grads if gkind == "f32" else grads.view(U16), cpu_device())
         s = jax.device_put(_native_scalars(coefs), cpu_device())
         with16 = okind is not None

@@ -33,12 +33,13 @@ def on_cpu_mesh(plan: ZeroPlan) -> bool:
     return all(d.platform == "cpu" for d in plan.mesh.devices.flat)
 
 
-def native_adam_pass(plan: ZeroPlan, tx, recipe, inner, params, grads, moment_specs, *, updates: bool,
+def native_adam_pass(plan: ZeroPlan, tx, recipe, inner, params, grads, moment_specs=None, *, updates: bool,
                      grad_scale=1.0, apply=True):
     """One Adam/AdamW step in the native host kernel over each device's partition.
 
     ``inner``: the optax state, its scalar leaves (counts, injected hyperparameters) in device
-    memory and its moments as stored (``moment_specs``: their specs, one per param); ``params``,
+    memory and its moments as stored (``moment_specs``: their specs, one per param; default
+    the master's); ``params``,
     ``grads``: params-structured, split like the master. Returns the kernel's first results
     (the new params, or with ``updates`` optax's updates written over the gradients) and the
     new state: counts and hyperparameters advanced as optax's (kept where ``apply`` is false),
@@ -50,6 +51,7 @@ def native_adam_pass(plan: ZeroPlan, tx, recipe, inner, params, grads, moment_sp
                                    hp["eps"], hp["weight_decay"], grad_scale=grad_scale,
                                    eps_root=hp.get("eps_root", 0.0), apply=apply)
     specs = [plan.master_sharding(lay).spec for lay in plan.leaves]
+    moment_specs = specs if moment_specs is None else moment_specs
     # every device of a CPU mesh runs its program at once: share the cores between them
     threads = max(1, native.default_threads() // max(1, len(plan.mesh.local_devices)))
 
@@ -78,13 +80,12 @@ def native_host_apply_fn(plan: ZeroPlan, tx):
     if jnp.dtype(plan.compute_dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)) \
             or not native.available():
         return None
-    specs = [plan.master_sharding(lay).spec for lay in plan.leaves]
 
     def host_apply(grads, master, opt_state, scale, coef, skip, key=None):
         leaves, treedef = jax.tree_util.tree_flatten(opt_state)
         mirrors = plan.opt_leaf_layouts(opt_state, stored=True)
         inner = treedef.unflatten([x if lay is not None else to_device_memory(x) for x, lay in zip(leaves, mirrors)])
-        new_master, new = native_adam_pass(plan, tx, recipe, inner, master, grads, specs, updates=False,
+        new_master, new = native_adam_pass(plan, tx, recipe, inner, master, grads, updates=False,
                                            grad_scale=1.0 / (to_device_memory(scale) * coef), apply=~skip)
         new = jax.tree_util.tree_map(same_memory_space, new, opt_state)
         new_master = jax.tree_util.tree_map(same_memory_space, new_master, master)

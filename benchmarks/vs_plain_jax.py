@@ -8,6 +8,10 @@ The alternatives, written the way a JAX user would:
 * plain FSDP (GSPMD): the same function with every leaf split along its largest dimension
   that the device count divides (replicated when none does).
 
+zerojax runs at its defaults (DeepSpeed's), and stage 3 once more with
+``param_persistence_threshold: 0`` (``s3p0``: every param partitioned, the small ones too),
+the setting closest to FSDP and the slower of the two on these CPU devices.
+
 Same model, batch, optimizer (AdamW, fp32) and devices for every contender. Each step is
 compiled first, then the contenders are timed in interleaved rounds (machine noise hits them
 alike) and the median ms per step is compared. Goals: stage 0 <= 1.02x DDP, stages 1-2 <=
@@ -43,7 +47,8 @@ SHAPES = {
     "gpt2-small": dict(vocab=50257, n_layer=12, d_model=768, n_head=12),
     "smoke": dict(vocab=517, n_layer=2, d_model=32, n_head=2),
 }
-GOALS = {"s0/ddp": 1.02, "s1/ddp": 0.90, "s2/ddp": 0.90, "s3/fsdp": 1.0, "s3/s0": 1.10}
+GOALS = {"s0/ddp": 1.02, "s1/ddp": 0.90, "s2/ddp": 0.90, "s3/fsdp": 1.0, "s3/s0": 1.10, "s3p0/fsdp": 1.0,
+         "s3p0/s0": 1.10}
 
 
 OPTIMIZERS = {"adamw": lambda: optax.adamw(1e-4, weight_decay=0.01),
@@ -111,8 +116,8 @@ class Plain:
 
 
 class Zero:
-    def __init__(self, stage, mesh, init, loss, make_tx=tx):
-        config = zj.ZeroConfig(stage=stage, param_persistence_threshold=0)
+    def __init__(self, stage, mesh, init, loss, make_tx=tx, **settings):
+        config = zj.ZeroConfig(stage=stage, **settings)
         self.state = zj.shard_train_state(lambda _: init(), make_tx(), mesh=mesh, config=config)
         self.step = zj.make_train_step(loss, self.state)
         self.shardings = self.state.shardings
@@ -134,7 +139,8 @@ class Zero:
 
 
 def time_all(contenders, batch, rounds, steps, warmup=1, swap=False):
-    """Median seconds per step of each contender, in interleaved rounds. With ``swap`` only the
+    """Median seconds per step of each contender, in interleaved rounds, every other round in
+    reverse order (so no contender always follows the same one). With ``swap`` only the
     contender being timed holds device memory: the others wait parked in host memory (moving
     them is not timed)."""
     def turn(c, n):
@@ -152,9 +158,9 @@ def time_all(contenders, batch, rounds, steps, warmup=1, swap=False):
     for c in contenders.values():  # compile and warm up
         turn(c, warmup)
     times = {k: [] for k in contenders}
-    for _ in range(rounds):
-        for k, c in contenders.items():
-            times[k].append(turn(c, steps) / steps)
+    for r in range(rounds):
+        for k in (list(contenders) if r % 2 == 0 else list(contenders)[::-1]):
+            times[k].append(turn(contenders[k], steps) / steps)
     return {k: statistics.median(v) for k, v in times.items()}
 
 
@@ -167,11 +173,17 @@ def report(title, ms, ratios):
 
 
 RATIOS = {"s0/ddp": ("s0", "ddp"), "s1/ddp": ("s1", "ddp"), "s2/ddp": ("s2", "ddp"), "s3/fsdp": ("s3", "fsdp"),
-          "s3/s0": ("s3", "s0")}
+          "s3/s0": ("s3", "s0"), "s3p0/fsdp": ("s3p0", "fsdp"), "s3p0/s0": ("s3p0", "s0")}
+ALL = ["ddp", "fsdp", "s0", "s1", "s2", "s3", "s3p0"]
 
 
 def build(name, mesh, init, loss):
-    return Plain(name, mesh, init, loss) if name in ("ddp", "fsdp") else Zero(int(name[1]), mesh, init, loss)
+    """``ddp``/``fsdp``: plain jit; ``s0``-``s3``: zerojax at its defaults (DeepSpeed's);
+    ``s3p0``: stage 3 with ``param_persistence_threshold: 0``, every param partitioned (no
+    small param kept whole), the setting closest to FSDP."""
+    if name in ("ddp", "fsdp"):
+        return Plain(name, mesh, init, loss)
+    return Zero(int(name[1]), mesh, init, loss, **({"param_persistence_threshold": 0} if name == "s3p0" else {}))
 
 
 def gpt_case(name, args):
@@ -190,8 +202,7 @@ def gpt_case(name, args):
     batch = {"tokens": rng.integers(0, cfg.vocab, (args.batch, cfg.seq_len + 1), dtype=np.int32)}
     init = functools.partial(init_params, cfg, jax.random.PRNGKey(0))
     loss = loss_fn(cfg)
-    groups = [list(pair) for pair in RATIOS.values()] if args.pairs or swap else [
-        ["ddp", "fsdp", "s0", "s1", "s2", "s3"]]
+    groups = [list(pair) for pair in RATIOS.values()] if args.pairs or swap else [ALL]
     ms, ratios = {}, {}
     for group in groups:
         # park only where a replicated AdamW state (plain DDP, stage 0) would not fit beside another

@@ -24,7 +24,10 @@ used (tied embeddings included).
 Gathers are tied to the activation of the moment (``shard + 0 * a``; the compiler may not drop
 it), so they are neither hoisted out of the micro-batch loop nor merged with the backward
 gathers. When a param is first needed, the gathers of the params used next (up to
-``prefetch_bucket_size`` elements) are issued at the same point, ahead of the compute.
+``prefetch_bucket_size`` elements) are issued at the same point, ahead of the compute, as one
+all-gather of their shards laid end to end (their gradients then leave in one reduce-scatter).
+A param that may be read in part (rows of a lookup, one layer in a loop, slices of a large
+matmul) is gathered on its own, so the compiler drops that gather when nothing reads it whole.
 
 A param larger than ``prefetch_bucket_size`` elements that meets an activation in a matmul
 is gathered slice by slice inside a loop (forward and backward), and a row lookup in a table
@@ -53,6 +56,7 @@ from jax.extend.core import Literal, jaxpr_as_fun
 
 from zerojax._compat import Tracer, primitives, to_device_memory
 from zerojax.plan import LeafLayout, ZeroPlan
+from zerojax.stages import collectives as C
 from zerojax.stages.reuse import Fetches, slice_elements
 from zerojax.stages.zeropp import Wire
 
@@ -126,6 +130,35 @@ class Base:
             self.full = _gather_again(self.full, self.shard, anchor, self.lay, self.wire)
             self.last_use = None
         return self.gather_forward(anchor)
+
+
+def _gather_together(bases: Sequence[Base], anchor) -> None:
+    """Forward gathers issued at one point, as one all-gather of their shards laid end to end
+    (per dtype; DeepSpeed's coalesced gather of a prefetch bucket): its transpose is then one
+    reduce-scatter of their gradients (with hpZ each keeps its secondary partition). Quantized
+    wires (qwZ, qgZ) gather param by param."""
+    wire = bases[0].wire if bases else None
+    if len(bases) < 2 or wire.weight_bits or wire.grad_bits:
+        for b in bases:
+            b.gather_forward(anchor)
+        return
+    lays = [b.lay for b in bases]
+
+    # the reduce-scatter written out: as the transpose of the slices of one gathered buffer,
+    # each param's cotangent would be padded to the whole buffer and summed
+    @jax.custom_vjp
+    def gathered(shards):
+        return C.bucketed_gather(shards, lays, wire.axis_name, wire.n, math.inf)
+
+    def reduced(_, cts):
+        return (C.bucketed_reduce_scatter(list(cts), lays, wire.axis_name, wire.n, math.inf),)
+
+    gathered.defvjp(lambda shards: (gathered(shards), None), reduced)
+    fulls = gathered([_tie(to_device_memory(b.shard), anchor) for b in bases])
+    for b, full in zip(bases, fulls):
+        b.full = full
+        if wire.hpz:
+            b.secondary = wire.secondary_of(full, b.lay)
 
 
 @dataclasses.dataclass
@@ -422,6 +455,10 @@ class _Interpreter:
         self.chunk = chunk
         self.fetches = Fetches(reuse_distance, max_live)
         self.prims = primitives()
+        # params an operation may read in part (rows of a lookup, one layer in a loop, a call's
+        # own use sites): their prefetched gathers stay their own, which the compiler drops
+        # when nothing reads the whole param
+        self.partly_read = set()
 
     def base(self, shard, lay: LeafLayout) -> Lazy:
         return _param(Base(shard, lay, self.wire, self.fetches))
@@ -466,8 +503,7 @@ class _Interpreter:
         outs = [read(v) for v in jaxpr.outvars]
         return [self.materialize(x, None) if isinstance(x, Lazy) else x for x in outs]
 
-    @staticmethod
-    def _first_use_order(jaxpr, env) -> List[Base]:
+    def _first_use_order(self, jaxpr, env) -> List[Base]:
         order = []
         for eqn in jaxpr.eqns:
             for v in eqn.invars:
@@ -476,7 +512,14 @@ class _Interpreter:
                 for b in env[v].sources:
                     if all(b is not c for c in order):
                         order.append(b)
+                    if self._reads_in_part(eqn):
+                        self.partly_read.add(b)
         return order
+
+    def _reads_in_part(self, eqn) -> bool:
+        p = eqn.primitive
+        return (p is self.prims["scan"] or p is self.prims["while"] or p in self.prims["calls"]
+                or p.name in ("gather", "dynamic_slice", "squeeze", "reshape"))
 
     def materialize(self, x: Lazy, anchor):
         """A lazy value as a plain (differentiable) value, through a use site of its own."""
@@ -487,14 +530,18 @@ class _Interpreter:
         if not bases or not order:
             return
         last = max((order.index(b) for b in bases if b in order), default=-1)
-        budget = self.prefetch
+        budget, together = self.prefetch, []
         for nxt in order[last + 1:]:
             if nxt.full is not None:
                 continue
             if budget < nxt.lay.size:
                 break
             budget -= nxt.lay.size
-            nxt.gather_forward(anchor)
+            if nxt.lay.size <= self.chunk and nxt not in self.partly_read:
+                together.append(nxt)
+            else:  # may be read in slices or in part: a gather of its own, dropped if unread
+                nxt.gather_forward(anchor)
+        _gather_together(together, anchor)
 
     def _lazy_eqn(self, eqn, invals, order):
         prim = eqn.primitive

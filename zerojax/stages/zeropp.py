@@ -122,6 +122,11 @@ class Wire:
         m = self.nodes
         return jax.lax.dynamic_slice_in_dim(rows, self._local_index() * m, m, axis=0)
 
+    def secondary_of(self, full, lay: LeafLayout):
+        """hpZ: this device's secondary partition of a gathered (unquantized) leaf, a residual
+        only (no gradient flows through it)."""
+        return self._secondary(C.rows(jax.lax.stop_gradient(full), lay, self.n))
+
     def gather_values(self, shard, lay: LeafLayout):
         """This device's shard -> (the whole leaf, its secondary partition or None), read from
         the primary partitions of all devices. Not differentiable; :meth:`gather` is."""
@@ -139,8 +144,7 @@ class Wire:
         transpose, a reduce-scatter)."""
         if not self.weight_bits and not self.grad_bits:
             full = C.gather(shard, lay, self.axis_name)
-            second = self._secondary(C.rows(jax.lax.stop_gradient(full), lay, self.n)) if self.hpz else None
-            return full, second
+            return full, (self.secondary_of(full, lay) if self.hpz else None)
         dtype = shard.dtype
 
         @jax.custom_vjp

@@ -43,6 +43,11 @@ def _data_loss(params, batch):
     return loss_fn(params, batch) * (1.0 + 1e-3 * jnp.mean(batch["y"].astype(jnp.float32)))
 
 
+def _padded(lays) -> int:
+    """Elements of the leaves' padded storage: what one reduce-scatter of their gradients moves."""
+    return sum(lay.size + lay.pad * lay.size // lay.shape[lay.axis] for lay in lays)
+
+
 def _report(stage, gas, reduce_scatter, bucket, **extra):
     config = zj.ZeroConfig(stage=stage, gradient_accumulation_steps=gas, reduce_scatter=reduce_scatter,
                            reduce_bucket_size=bucket, **extra)
@@ -57,7 +62,7 @@ def test_compiled_step_all_reduces_instead_of_reduce_scattering(stage, gas):
     ar, _ = _report(stage, gas, False, 1)
     lays = plan.leaves
     psi = sum(lay.size for lay in lays)
-    padded = psi + sum(lay.pad * lay.size // lay.shape[lay.axis] for lay in lays)
+    padded = _padded(lays)
     reductions = gas if stage == 2 else 1  # stage 2 reduces every micro-batch, stage 1 once per step
     # reduce_scatter=True: the gradients leave through reduce-scatters of Ψ (padded) per reduction
     assert rs.kinds["reduce-scatter"][2] == reductions * padded, rs
@@ -84,7 +89,6 @@ def test_stage3_ignores_it_with_a_warning_naming_the_key():
         ar, plan = _report(3, 1, False, 1, param_persistence_threshold=100)
     rs, _ = _report(3, 1, True, 1, param_persistence_threshold=100)
     assert {lay.params_partitioned for lay in plan.leaves} == {True, False}
-    lays = plan.leaves
-    padded = sum(lay.size + lay.pad * lay.size // lay.shape[lay.axis] for lay in lays)
+    padded = _padded(plan.leaves)
     # every leaf's gradient is reduce-scattered, each element once (several leaves may share one)
     assert ar.kinds == rs.kinds and rs.kinds["reduce-scatter"][2] == padded, (rs.kinds, padded)

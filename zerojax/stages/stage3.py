@@ -138,7 +138,7 @@ def _gather_together(bases: Sequence[Base], anchor) -> None:
     reduce-scatter of their gradients (with hpZ each keeps its secondary partition). Quantized
     wires (qwZ, qgZ) gather param by param."""
     wire = bases[0].wire if bases else None
-    if len(bases) < 2 or wire.weight_bits or wire.grad_bits:
+    if len(bases) < 2 or wire.quantized:
         for b in bases:
             b.gather_forward(anchor)
         return
@@ -506,13 +506,14 @@ class _Interpreter:
     def _first_use_order(self, jaxpr, env) -> List[Base]:
         order = []
         for eqn in jaxpr.eqns:
+            in_part = self._reads_in_part(eqn)
             for v in eqn.invars:
                 if isinstance(v, Literal) or v not in env or not isinstance(env[v], Lazy):
                     continue
                 for b in env[v].sources:
                     if all(b is not c for c in order):
                         order.append(b)
-                    if self._reads_in_part(eqn):
+                    if in_part:
                         self.partly_read.add(b)
         return order
 

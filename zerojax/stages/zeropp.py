@@ -93,9 +93,14 @@ class Wire:
         return self.n // self.node
 
     @property
+    def quantized(self) -> bool:
+        """qwZ or qgZ: params or gradients travel as integers (each param on its own wire)."""
+        return bool(self.weight_bits or self.grad_bits)
+
+    @property
     def plain(self) -> bool:
         """Stage 3 as without ZeRO++: one all-gather per gather, one reduce-scatter per reduction."""
-        return not (self.hpz or self.weight_bits or self.grad_bits)
+        return not (self.hpz or self.quantized)
 
     def _groups(self, inside: bool) -> Optional[list]:
         """The data-axis indices that talk in one exchange: the devices of each node (``inside``)
@@ -136,13 +141,13 @@ class Wire:
             full = C.unrows(self._decode(allp, row.shape[0], shard.dtype), lay)
             return full, (self._secondary(allp) if self.hpz else None)
         full = C.gather(shard, lay, self.axis_name)
-        return full, (self._secondary(C.rows(full, lay, self.n)) if self.hpz else None)
+        return full, (self.secondary_of(full, lay) if self.hpz else None)
 
     def gather(self, shard, lay: LeafLayout):
         """:meth:`gather_values`, differentiable in ``shard``: the whole leaf's cotangent goes
         through :meth:`reduce` (with neither qwZ nor qgZ, through the all-gather's own
         transpose, a reduce-scatter)."""
-        if not self.weight_bits and not self.grad_bits:
+        if not self.quantized:
             full = C.gather(shard, lay, self.axis_name)
             return full, (self.secondary_of(full, lay) if self.hpz else None)
         dtype = shard.dtype

@@ -305,3 +305,19 @@ def test_lookup_moves_rows_not_the_table_when_fewer_rows_are_read(rows, sharded)
     for b in data:
         state, _ = step(state, b)
     assert max_rel_err(state.full_params(), p) < 1e-5
+
+
+@pytest.mark.parametrize("zeros", [dict(prefetch_bucket_size=0), dict(max_live_parameters=0),
+                                   dict(prefetch_bucket_size=0, max_live_parameters=0)],
+                         ids=["prefetch", "live", "both"])
+def test_stage3_bounds_of_zero_gather_each_param_whole(zeros):
+    # 0 is DeepSpeed's "off" for these bounds (no prefetch; nothing live beyond the param in
+    # use), not a fetch unit of no elements: each param in use is gathered whole, one
+    # collective per param and pass, never a loop of one-row slices
+    report, state = compiled_report(stage=3, **zeros)
+    partitioned = [lay for lay in state.plan.leaves if lay.params_partitioned]
+    hlo = zj.make_train_step(loss_fn(CFG), state).lower(
+        state, {"tokens": jax.ShapeDtypeStruct((8, CFG.seq_len + 1), np.int32)}).as_text()
+    assert "while" not in hlo  # no sliced matmul loop
+    assert report.count("all-gather") <= 3 * len(partitioned), report
+    assert 0.95 <= report.ratio <= 1.02, report

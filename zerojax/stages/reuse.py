@@ -7,6 +7,7 @@ secondary partition)."""
 from __future__ import annotations
 
 import math
+import sys
 
 from zerojax.plan import ZeroPlan
 
@@ -56,8 +57,13 @@ class Fetches:
 
 def slice_elements(config) -> int:
     """The most elements of a param a stage-3 matmul gathers at once: ``prefetch_bucket_size``,
-    or ``max_live_parameters`` if smaller. A larger param is gathered in slices of that many."""
-    return min(int(config.prefetch_bucket_size), int(config.max_live_parameters))
+    or ``max_live_parameters`` if smaller. A larger param is gathered in slices of that many.
+
+    A bound of 0 is DeepSpeed's "off" (no prefetch; nothing live beyond the param in use), not
+    a fetch unit of no elements: it slices nothing, and the param in use is gathered whole, as
+    DeepSpeed gathers it. With both at 0 no param is sliced."""
+    bounds = [int(b) for b in (config.prefetch_bucket_size, config.max_live_parameters) if int(b) > 0]
+    return min(bounds) if bounds else sys.maxsize
 
 
 def kept_leaves(plan: ZeroPlan) -> list:

@@ -21,16 +21,21 @@ def local_shape(lay: LeafLayout, n: int):
     return tuple(s)
 
 
+# A leaf split along a later axis (GPT-2's tied table, split along its width) travels with
+# that axis moved to the front, so each device's block is contiguous: collectives along an
+# inner axis get a copy of the whole leaf from the CPU compiler, where the moves cost a
+# shard-sized copy and a transpose of the whole that a consuming matmul absorbs (stage 3 on
+# vocab 50257 x d 128: 852 -> 789 ms per step in one side-by-side run).
 def gather(x, lay: LeafLayout, axis_name: str):
     """Local shard -> the whole (unpadded) leaf on every device: one all-gather."""
-    full = jax.lax.all_gather(x, axis_name, axis=lay.axis, tiled=True)
-    return ZeroPlan.unpad(full, lay)
+    moved = jax.lax.all_gather(jnp.moveaxis(x, lay.axis, 0), axis_name, axis=0, tiled=True)
+    return ZeroPlan.unpad(jnp.moveaxis(moved, 0, lay.axis), lay)
 
 
 def reduce_scatter(g, lay: LeafLayout, axis_name: str):
     """Whole local gradient -> this device's shard of the sum over devices: one reduce-scatter."""
-    g = ZeroPlan.pad(g, lay)
-    return jax.lax.psum_scatter(g, axis_name, scatter_dimension=lay.axis, tiled=True)
+    g = jnp.moveaxis(ZeroPlan.pad(g, lay), lay.axis, 0)
+    return jnp.moveaxis(jax.lax.psum_scatter(g, axis_name, scatter_dimension=0, tiled=True), 0, lay.axis)
 
 
 def local_slice(x, lay: LeafLayout, axis_name: str, n: int):

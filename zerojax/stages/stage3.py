@@ -29,8 +29,9 @@ all-gather of their shards laid end to end (their gradients then leave in one re
 A param that may be read in part (rows of a lookup, one layer in a loop, slices of a large
 matmul) is gathered on its own, so the compiler drops that gather when nothing reads it whole.
 
-A param larger than ``prefetch_bucket_size`` elements that meets an activation in a matmul
-is gathered slice by slice inside a loop (forward and backward), and a row lookup in a table
+A param larger than ``max_live_parameters`` or than 8 prefetch buckets
+(:class:`zerojax.stages.reuse.Slicing`) that meets an activation in a matmul is gathered
+slice by slice inside a loop (forward and backward), and a row lookup in a table
 split along its features moves only the rows (an all-to-all); a tied embedding is then never
 whole on a device, nor is its gradient.
 
@@ -57,7 +58,7 @@ from jax.extend.core import Literal, jaxpr_as_fun
 from zerojax._compat import Tracer, primitives, to_device_memory
 from zerojax.plan import LeafLayout, ZeroPlan
 from zerojax.stages import collectives as C
-from zerojax.stages.reuse import Fetches, slice_elements
+from zerojax.stages.reuse import Fetches, Slicing
 from zerojax.stages.zeropp import Wire
 
 MARK = "zerojax_gather"
@@ -278,7 +279,7 @@ def _use_site(op: Callable[[list], list], invals: list, anchor):
 
 
 # ---------------------------------------------------------------------------- large params
-# A param larger than the fetch unit (``prefetch_bucket_size``) is never whole on a device
+# A param larger than the slicing bound (:class:`Slicing`) is never whole on a device
 # when its use allows: a matmul gathers it slice by slice, and a row lookup reads only the
 # rows it needs. Both return the gradient of the local shard directly, reduce-scattered slice
 # by slice, so no param-sized gradient is held through the backward pass.
@@ -295,7 +296,7 @@ def _pad_to(x, axis: int, size: int):
     return jnp.pad(x, widths)
 
 
-def _chunked_dot(eqn, invals, chunk: int) -> Optional[list]:
+def _chunked_dot(eqn, invals, slicing: Slicing) -> Optional[list]:
     """A ``dot_general`` of an activation with one large param (or a transpose/cast of it),
     computed over slices of the param along one of its free axes, in a loop: each slice is
     gathered, used and dropped, forward and backward alike."""
@@ -311,10 +312,10 @@ def _chunked_dot(eqn, invals, chunk: int) -> Optional[list]:
     (contract, batch) = eqn.params["dimension_numbers"]
     used = set(contract[i]) | set(batch[i])
     free = [a for a in range(len(lay.shape)) if a != lay.axis and lz.dims[a] not in used]
-    if lay.size <= chunk or not free:
+    if not slicing.sliced(lay.size) or not free:
         return None
     ca = max(free, key=lambda a: lay.shape[a])
-    k = -(-lay.shape[ca] // max(1, chunk // (lay.size // lay.shape[ca])))
+    k = -(-lay.shape[ca] // max(1, slicing.unit // (lay.size // lay.shape[ca])))
     if k < 2:
         return None
     rows = -(-lay.shape[ca] // k)  # k balanced slices: the last overlaps the one before by < k rows
@@ -448,11 +449,11 @@ def _anchor(vals):
 
 
 class _Interpreter:
-    def __init__(self, wire: Wire, prefetch: int, chunk: int, reuse_distance: float = math.inf,
+    def __init__(self, wire: Wire, prefetch: int, slicing: Slicing, reuse_distance: float = math.inf,
                  max_live: float = math.inf):
         self.wire = wire
         self.prefetch = prefetch
-        self.chunk = chunk
+        self.slicing = slicing
         self.fetches = Fetches(reuse_distance, max_live)
         self.prims = primitives()
         # params an operation may read in part (rows of a lookup, one layer in a loop, a call's
@@ -531,14 +532,17 @@ class _Interpreter:
         if not bases or not order:
             return
         last = max((order.index(b) for b in bases if b in order), default=-1)
+        # DeepSpeed's rule: params not yet gathered are added while fewer than the bucket's
+        # elements are on the way, so the last one may overshoot it (a param larger than the
+        # bucket is still fetched one ahead)
         budget, together = self.prefetch, []
         for nxt in order[last + 1:]:
+            if budget <= 0:
+                break
             if nxt.full is not None:
                 continue
-            if budget < nxt.lay.size:
-                break
             budget -= nxt.lay.size
-            if nxt.lay.size <= self.chunk and nxt not in self.partly_read:
+            if not self.slicing.sliced(nxt.lay.size) and nxt not in self.partly_read:
                 together.append(nxt)
             else:  # may be read in slices or in part: a gather of its own, dropped if unread
                 nxt.gather_forward(anchor)
@@ -563,7 +567,7 @@ class _Interpreter:
         if prim.multiple_results or any(not isinstance(x, Lazy) and not _is_literal_like(x) for x in invals):
             self._prefetch(invals, order, anchor)
             if prim.name == "dot_general":
-                out = _chunked_dot(eqn, invals, self.chunk)
+                out = _chunked_dot(eqn, invals, self.slicing)
                 if out is not None:
                     return out
             if prim.name == "gather":
@@ -666,7 +670,7 @@ def gathered_loss(loss_fn: Callable, plan: ZeroPlan, takes_rng: bool):
     def loss(shards, mb, key):
         extra = (key,) if takes_rng else ()
         closed, out_shape = jax.make_jaxpr(loss_fn, return_shape=True)(plan.map(whole, shards), mb, *extra)
-        interp = _Interpreter(wire, prefetch, slice_elements(plan.config), int(plan.config.max_reuse_distance),
+        interp = _Interpreter(wire, prefetch, Slicing.of(plan.config), int(plan.config.max_reuse_distance),
                               int(plan.config.max_live_parameters))
         lazies = plan.map(lambda lay, x: interp.base(x, lay) if lay.params_partitioned else x, shards)
         flat = jax.tree_util.tree_leaves((lazies, mb) + extra, is_leaf=lambda x: isinstance(x, Lazy))

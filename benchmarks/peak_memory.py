@@ -10,7 +10,8 @@ to its backward use, as under DeepSpeed, so its peak holds the whole gathered mo
 ``max_reuse_distance=0`` ("3 lean": gathered again for the backward pass, ZeRO's 3Ψ). Goal, for
 the lean run: stage 3 <= 0.20x stage 0, and stage 3's peak <= its model states (params, gradients, optimizer state: 1/N each, from the ZeRO formula, not
 from the program measured) + 3 blocks' gathered params + the activations. The stage-3 runs use DeepSpeed's "auto" prefetch bucket (0.9 * d^2
-elements), so the tied embedding is gathered and reduced in slices, never whole.
+elements), so the tied embedding (73 buckets) is gathered and reduced in slices, never whole;
+a block's matrices (3-5 buckets) are gathered whole.
 
     python benchmarks/peak_memory.py [--layers 12] [--seq 128] [--optimizer sgd]
     python benchmarks/peak_memory.py --layers 2 --d 96 --vocab 1000 --seq 16 --no-scan   # tiny

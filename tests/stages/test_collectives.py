@@ -295,7 +295,7 @@ def test_prefetch_adds_params_while_fewer_than_the_bucket_are_on_the_way(bucket,
     monkeypatch.setattr(stage3, "_gather_together", lambda bases, anchor: together.extend(b.name for b in bases))
     bases = [Param(n, size) for n, size in [("a", 100), ("b", 500), ("c", 500), ("d", 100), ("e", 100)]]
     bases[3].full = "already gathered"  # counts nothing, as in DeepSpeed
-    interp = stage3._Interpreter(wire=None, prefetch=bucket, slicing=Slicing(unit=10**9, above=10**9))
+    interp = stage3._Interpreter(wire=None, prefetch=bucket, slicing=Slicing(bucket=10**9, live=10**9))
     interp._prefetch([stage3.Lazy((bases[0],), stage3._identity)], bases, anchor=None)
     assert together == ahead
 
@@ -319,8 +319,12 @@ def test_a_matmul_param_is_sliced_above_max_live_or_eight_prefetch_buckets():
     assert loops(prefetch_bucket_size=auto) == table_only
     assert loops(prefetch_bucket_size=1000) > table_only  # 12-16 buckets: the block matrices too
     assert loops() == 0  # DeepSpeed's defaults: nothing this small is sliced
-    assert Slicing.of(zj.ZeroConfig(prefetch_bucket_size=auto)) == Slicing(unit=auto, above=8 * auto)
-    assert Slicing.of(zj.ZeroConfig(prefetch_bucket_size=auto, max_live_parameters=5000)) == Slicing(auto, 5000)
+    # a table beyond 8 buckets goes in 8 slices; slices hold a bucket at least, max_live_parameters at most
+    s = Slicing.of(zj.ZeroConfig(prefetch_bucket_size=auto))
+    assert (s.sliced(8 * auto), s.sliced(8 * auto + 1), s.unit(4001 * 64)) == (False, True, 4001 * 8)
+    s = Slicing.of(zj.ZeroConfig(prefetch_bucket_size=auto, max_live_parameters=5000))
+    assert (s.sliced(5001), s.unit(4001 * 64), s.unit(6000)) == (True, 5000, auto)
+    assert not Slicing.of(zj.ZeroConfig(prefetch_bucket_size=0, max_live_parameters=0)).sliced(10**12)
 
 
 def _lookup_loss(params, batch):

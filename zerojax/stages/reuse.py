@@ -56,11 +56,13 @@ class Fetches:
         return out
 
 
-# Slicing a param into k gathers holds at most 1/k of it at a time but costs k - 1 more
-# collectives each way, in a loop. Against the prefetch bucket a param is sliced only when it
-# spans more than this many buckets: the vocabulary tables, not a block's matrices (with
-# DeepSpeed's "auto" bucket, 0.9 * hidden^2, those span 1-5 buckets, and slicing them took
-# stage 3 from 0.99x to 1.19x GSPMD FSDP's step time on a GPT of vocab 8192 x d 256).
+# Slicing a param into k gathers holds 1/k of it at a time but costs k - 1 more collectives
+# each way, in a loop. Against the prefetch bucket a param is sliced only when it spans more
+# than this many buckets, and then in this many slices: the vocabulary tables, not a block's
+# matrices (with DeepSpeed's "auto" bucket, 0.9 * hidden^2, those span 1-5 buckets; slicing
+# them took stage 3 from 0.99x to 1.19x GSPMD FSDP's step time on a GPT of vocab 8192 x d 256),
+# and 8 slices hold 1/8 of a table where one slice per bucket (437 for a 50257 x 128 table)
+# would save little more memory for 55 times the collectives.
 SLICE_SPAN = 8
 
 
@@ -68,25 +70,29 @@ SLICE_SPAN = 8
 class Slicing:
     """Which params a stage-3 matmul gathers slice by slice, and how many elements at once.
 
-    ``unit``: the most elements gathered at once, ``prefetch_bucket_size`` or
-    ``max_live_parameters`` if smaller. ``above``: params larger than this are sliced; more than
-    ``max_live_parameters`` (the bound on gathered elements resident at once, kept strictly) or
-    more than :data:`SLICE_SPAN` prefetch buckets. A bound of 0 is DeepSpeed's "off" (no
-    prefetch; nothing live beyond the param in use), not a fetch unit of no elements: it slices
-    nothing, and the param in use is gathered whole, as DeepSpeed gathers it."""
+    A param is sliced when it is larger than ``max_live_parameters`` (``live``: the bound on
+    gathered elements resident at once, kept strictly) or than :data:`SLICE_SPAN` prefetch
+    buckets (``bucket``); each slice gathers a bucket or 1/:data:`SLICE_SPAN` of the param,
+    whichever is larger, and never more than ``live`` elements. A bound of 0 is DeepSpeed's "off" (no prefetch; nothing live
+    beyond the param in use), not a fetch unit of no elements: it slices nothing, and the param
+    in use is gathered whole, as DeepSpeed gathers it."""
 
-    unit: int
-    above: int
+    bucket: int
+    live: int
 
     @classmethod
     def of(cls, config) -> "Slicing":
-        prefetch, live = int(config.prefetch_bucket_size), int(config.max_live_parameters)
-        units = [b for b in (prefetch, live) if b > 0]
-        above = [b for b in (live, SLICE_SPAN * prefetch) if b > 0]
-        return cls(min(units, default=sys.maxsize), min(above, default=sys.maxsize))
+        def bound(b):
+            return int(b) if int(b) > 0 else sys.maxsize
+
+        return cls(bound(config.prefetch_bucket_size), bound(config.max_live_parameters))
 
     def sliced(self, size: int) -> bool:
-        return size > self.above
+        return size > self.live or size > SLICE_SPAN * self.bucket
+
+    def unit(self, size: int) -> int:
+        """The most elements of a sliced param of ``size`` elements gathered at once."""
+        return min(self.live, max(self.bucket, -(-size // SLICE_SPAN)))
 
 
 def kept_leaves(plan: ZeroPlan) -> list:

@@ -315,7 +315,7 @@ def _chunked_dot(eqn, invals, slicing: Slicing) -> Optional[list]:
     if not slicing.sliced(lay.size) or not free:
         return None
     ca = max(free, key=lambda a: lay.shape[a])
-    k = -(-lay.shape[ca] // max(1, slicing.unit // (lay.size // lay.shape[ca])))
+    k = -(-lay.shape[ca] // max(1, slicing.unit(lay.size) // (lay.size // lay.shape[ca])))
     if k < 2:
         return None
     rows = -(-lay.shape[ca] // k)  # k balanced slices: the last overlaps the one before by < k rows

@@ -136,13 +136,15 @@ def main():
         n, reps, rounds, steps = 2**14, 2, 1, 1
         gpt = GPTConfig(vocab=517, n_layer=1, d_model=32, n_head=2, seq_len=8)
         shapes = argparse.Namespace(shapes=["smoke"], seq=8, batch=16, rounds=1, steps=1, opt_params=4096 * 8,
-                                    pairs=False, opt_tx=["adamw", "lion"], gpt2_devices=len(jax.devices()))
+                                    pairs=False, opt_tx=["adamw", "lion"], gpt2_devices=len(jax.devices()),
+                                    ratios=list(vs_plain_jax.RATIOS))
         batch_rows = 16
     else:
         n, reps, rounds, steps = 256 * 2**20, 10, 3, 3
         gpt = GPTConfig(vocab=50257, n_layer=12, d_model=768, n_head=12, seq_len=512)
         shapes = argparse.Namespace(shapes=["gpt2-small"], seq=512, batch=16 * len(jax.devices()), rounds=3,
-                                    steps=3, opt_params=50 * 2**20, pairs=False, opt_tx=["adamw", "lion"], gpt2_devices=len(jax.devices()))
+                                    steps=3, opt_params=50 * 2**20, pairs=False, opt_tx=["adamw", "lion"], gpt2_devices=len(jax.devices()),
+                                    ratios=list(vs_plain_jax.RATIOS))
         batch_rows = 8 * len(jax.devices())
     rng = np.random.default_rng(0)
     batch = {"tokens": rng.integers(0, gpt.vocab, (batch_rows, gpt.seq_len + 1), dtype=np.int32)}

@@ -187,9 +187,18 @@ def build(name, mesh, init, loss, d_model):
     "auto" bucket and threshold as Hugging Face fills them in."""
     if name in ("ddp", "fsdp"):
         return Plain(name, mesh, init, loss)
-    settings = {"s3p0": {"param_persistence_threshold": 0},
-                "s3auto": {"prefetch_bucket_size": int(0.9 * d_model**2), "param_persistence_threshold": 10 * d_model}}
-    return Zero(int(name[1]), mesh, init, loss, **settings.get(name, {}))
+    settings = {}
+    if name == "s3p0":
+        settings = {"param_persistence_threshold": 0}
+    elif name == "s3auto":  # filled in by zerojax's own reading of "auto", as zj.initialize does
+        auto = zj.ZeroConfig.from_deepspeed(
+            {"train_micro_batch_size_per_gpu": 1,
+             "zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": "auto",
+                                   "stage3_param_persistence_threshold": "auto"}},
+            world_size=mesh.shape["data"], hidden_size=d_model)
+        settings = {"prefetch_bucket_size": auto.prefetch_bucket_size,
+                    "param_persistence_threshold": auto.param_persistence_threshold}
+    return Zero(int(name[1]), mesh, init, loss, **settings)
 
 
 def gpt_case(name, args):

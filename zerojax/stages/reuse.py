@@ -73,9 +73,9 @@ class Slicing:
     A param is sliced when it is larger than ``max_live_parameters`` (``live``: the bound on
     gathered elements resident at once, kept strictly) or than :data:`SLICE_SPAN` prefetch
     buckets (``bucket``); each slice gathers a bucket or 1/:data:`SLICE_SPAN` of the param,
-    whichever is larger, and never more than ``live`` elements. A bound of 0 is DeepSpeed's "off" (no prefetch; nothing live
-    beyond the param in use), not a fetch unit of no elements: it slices nothing, and the param
-    in use is gathered whole, as DeepSpeed gathers it."""
+    whichever is larger, and never more than ``live`` elements. A bound of 0 is DeepSpeed's
+    "off" (no prefetch; nothing live beyond the param in use), not a fetch unit of no elements:
+    it slices nothing, and the param in use is gathered whole, as DeepSpeed gathers it."""
 
     bucket: int
     live: int

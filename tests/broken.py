@@ -1,20 +1,27 @@
 """Deliberately broken variants of library pieces, for the negative controls: a control
-monkeypatches one in (inside the test only) and asserts that the check it guards then fails."""
+monkeypatches one in (inside the test only) and asserts that the check it guards then fails.
+
+Each rule of the step pipeline has one home (:mod:`zerojax.update._pipeline`), so breaking it
+there breaks it on every path: the device step, fused Adam, optimizer offload, NVMe, ZenFlow
+and ``zero_optimizer``."""
 import jax
+import jax.numpy as jnp
 
-from zerojax import optim
-from zerojax.offload import host_update, nvme_step, zenflow
+from zerojax.offload import host_update
 from zerojax.stages import device_step, update
-
-# every module that imported clip_coefficient by name
-CLIP_USERS = (update, device_step, nvme_step, zenflow, optim)
+from zerojax.update import _pipeline
 
 
 def invert_clipping(monkeypatch) -> None:
     """Gradients multiplied by the clip coefficient instead of divided by it."""
-    real = update.clip_coefficient
-    for module in CLIP_USERS:
-        monkeypatch.setattr(module, "clip_coefficient", lambda norm, clip, *rest: 1.0 / real(norm, clip, *rest))
+    real = _pipeline.clip_coefficient
+    monkeypatch.setattr(_pipeline, "clip_coefficient", lambda norm, clip, *rest: 1.0 / real(norm, clip, *rest))
+
+
+def never_skip(monkeypatch) -> None:
+    """Steps with inf/nan gradients are applied instead of skipped."""
+    monkeypatch.setattr(_pipeline, "skip_rule",
+                        lambda cfg, finite: jnp.asarray(False) if isinstance(finite, jax.Array) else False)
 
 
 def update_without_master(monkeypatch) -> None:

@@ -43,7 +43,7 @@ class Reference(NamedTuple):
 
 def clip_grads(g, clip):
     """DeepSpeed's clipping, written out: divide by max(1, (norm + 1e-6) / clip)."""
-    norm = optax.global_norm(g)
+    norm = optax.tree.norm(g)
     if not clip:
         return g, norm
     coef = jnp.maximum(1.0, (norm + 1e-6) / clip)

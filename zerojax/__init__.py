@@ -16,6 +16,7 @@ The data flow, and where each part lives:
 """
 # errors first: every other module raises them
 from zerojax.errors import AutotuneError as AutotuneError
+from zerojax.errors import BatchError as BatchError
 from zerojax.errors import CheckpointError as CheckpointError
 from zerojax.errors import ConfigError as ConfigError
 from zerojax.errors import DistributedError as DistributedError
@@ -23,15 +24,18 @@ from zerojax.errors import HostUpdateWarning as HostUpdateWarning
 from zerojax.errors import IgnoredKeysWarning as IgnoredKeysWarning
 from zerojax.errors import LaunchError as LaunchError
 from zerojax.errors import LossScaleError as LossScaleError
+from zerojax.errors import NativeKernelWarning as NativeKernelWarning
 from zerojax.errors import NonFiniteError as NonFiniteError
 from zerojax.errors import NvmeError as NvmeError
+from zerojax.errors import OptimizerError as OptimizerError
+from zerojax.errors import StateError as StateError
 from zerojax.errors import StepOptionError as StepOptionError
 from zerojax.errors import ZeroJaxError as ZeroJaxError
 from zerojax.errors import ZeroJaxWarning as ZeroJaxWarning
 
-__all__ = ["AutotuneError", "CheckpointError", "ConfigError", "DistributedError", "HostUpdateWarning",
-           "IgnoredKeysWarning", "LaunchError", "LossScaleError", "NonFiniteError", "NvmeError", "StepOptionError",
-           "ZeroJaxError", "ZeroJaxWarning"]
+__all__ = ["AutotuneError", "BatchError", "CheckpointError", "ConfigError", "DistributedError", "HostUpdateWarning",
+           "IgnoredKeysWarning", "LaunchError", "LossScaleError", "NativeKernelWarning", "NonFiniteError", "NvmeError",
+           "OptimizerError", "StateError", "StepOptionError", "ZeroJaxError", "ZeroJaxWarning"]
 
 # config -> plan -> state
 from zerojax.config import TrainingArgs as TrainingArgs

@@ -18,7 +18,7 @@ from typing import Any, Mapping, Protocol, runtime_checkable
 
 import jax
 
-from zerojax.errors import LossScaleError, NonFiniteError
+from zerojax.errors import BatchError, LossScaleError, NonFiniteError, StateError
 from zerojax.plan import ZeroPlan, path_str
 from zerojax.state import TrainState
 
@@ -102,7 +102,7 @@ def check_batch(plan: ZeroPlan, batch) -> None:
     for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
         shape = getattr(x, "shape", ())
         if len(shape) == 0 or shape[0] % need:
-            raise ValueError(
+            raise BatchError(
                 f"batch leaf {path_str(path) or '<root>'!r} has leading dimension {shape[0] if shape else 'none'}, "
                 f"which must be a multiple of data devices x gradient_accumulation_steps = {plan.n} x "
                 f"{plan.config.gradient_accumulation_steps} = {need}. Pad or resize the global batch."
@@ -111,12 +111,12 @@ def check_batch(plan: ZeroPlan, batch) -> None:
 
 def check_state(plan: ZeroPlan, state) -> None:
     if not isinstance(state, TrainState):
-        raise TypeError(f"expected a zerojax TrainState (from zj.shard_train_state), got {type(state).__name__}")
+        raise StateError(f"expected a zerojax TrainState (from zj.shard_train_state), got {type(state).__name__}")
     if state.plan is not plan:
-        raise ValueError("this step was made for another state's plan; build it with zj.make_train_step(loss_fn, state)")
+        raise StateError("this step was made for another state's plan; build it with zj.make_train_step(loss_fn, state)")
     got = jax.tree_util.tree_structure(state.params)
     if got != plan.treedef:
-        raise ValueError(
+        raise StateError(
             "state.params no longer matches the plan's params tree: "
             f"expected {plan.treedef}, got {got}. Rebuild the state with zj.shard_train_state."
         )
@@ -126,4 +126,4 @@ def check_state(plan: ZeroPlan, state) -> None:
         if tuple(x.shape) != want:
             bad.append(f"{lay.path}: shape {tuple(x.shape)}, expected {want}")
     if bad:
-        raise ValueError("state.params leaves do not match the plan:\n  " + "\n  ".join(bad))
+        raise StateError("state.params leaves do not match the plan:\n  " + "\n  ".join(bad))

@@ -14,9 +14,9 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
-    "AutotuneError", "CheckpointError", "ConfigError", "DistributedError", "HostUpdateWarning",
-    "IgnoredKeysWarning", "LaunchError", "LossScaleError", "NonFiniteError", "NvmeError", "StepOptionError",
-    "ZeroJaxError", "ZeroJaxWarning",
+    "AutotuneError", "BatchError", "CheckpointError", "ConfigError", "DistributedError", "HostUpdateWarning",
+    "IgnoredKeysWarning", "LaunchError", "LossScaleError", "NativeKernelWarning", "NonFiniteError", "NvmeError",
+    "OptimizerError", "StateError", "StepOptionError", "ZeroJaxError", "ZeroJaxWarning",
 ]
 
 
@@ -39,6 +39,20 @@ class ConfigError(ZeroJaxError, ValueError):
 
 class StepOptionError(ConfigError):
     """``make_train_step`` was asked for an option the chosen update path cannot honour."""
+
+
+class OptimizerError(ConfigError):
+    """An update path cannot run this optimizer exactly; the message names the optimizer and the path."""
+
+
+class BatchError(ZeroJaxError, ValueError):
+    """A batch does not fit the step: a leaf whose leading dimension does not split over the data
+    devices and micro-batches, or a leaf with no leading dimension; the message names the leaf."""
+
+
+class StateError(ZeroJaxError, ValueError):
+    """A state does not fit the step or the plan: not a TrainState, another plan's state, or params
+    whose tree or shapes changed; the message names what differs and how to rebuild it."""
 
 
 class NonFiniteError(ZeroJaxError, FloatingPointError):
@@ -85,6 +99,10 @@ class NvmeError(ZeroJaxError, OSError):
 
 class IgnoredKeysWarning(ZeroJaxWarning):
     """A DeepSpeed config key zerojax reads but cannot honour; the message names each key."""
+
+
+class NativeKernelWarning(ZeroJaxWarning):
+    """The native host AdamW kernel could not be built or loaded; the XLA host loop runs instead."""
 
 
 class HostUpdateWarning(ZeroJaxWarning):

@@ -24,14 +24,14 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from zerojax.config.schedules import from_deepspeed as schedule_from_deepspeed
 from zerojax.config import ZeroConfig
 from zerojax.config.deepspeed import optimizer_from_config, resolve_batch
+from zerojax.config.schedules import from_deepspeed as schedule_from_deepspeed
+from zerojax.contract import Step
 from zerojax.errors import ConfigError
 from zerojax.mesh import make_mesh
 from zerojax.plan import ZeroPlan, path_str
 from zerojax.state import TrainState, shard_train_state
-from zerojax.contract import Step
 from zerojax.step import make_train_step
 
 __all__ = ["GlobalBatchStep", "check_global_batch", "initialize", "linear_schedule_with_warmup"]
@@ -98,7 +98,7 @@ def check_global_batch(plan: ZeroPlan, train_batch_size: Optional[int], batch) -
         if shape and shape[0] == train_batch_size:
             continue
         got = f"leading dimension {shape[0]}" if shape else "no leading dimension"
-        raise ValueError(
+        raise ConfigError(
             f"batch leaf {path_str(path) or '<root>'!r} has {got}, but the step takes the global batch of "
             f"train_batch_size = {train_batch_size} samples (train_micro_batch_size_per_gpu "
             f"{cfg.train_micro_batch_size_per_gpu} x gradient_accumulation_steps "
@@ -110,7 +110,7 @@ def check_global_batch(plan: ZeroPlan, train_batch_size: Optional[int], batch) -
 # --------------------------------------------------------------------------- config
 def _data_size(mesh, axis: str) -> int:
     if axis not in mesh.shape:
-        raise ValueError(f"the mesh has axes {tuple(mesh.axis_names)} but no data axis {axis!r}, which ZeRO "
+        raise ConfigError(f"the mesh has axes {tuple(mesh.axis_names)} but no data axis {axis!r}, which ZeRO "
                          f"partitions over. Fix: build it with zj.make_mesh(...) or name one axis {axis!r}")
     return int(mesh.shape[axis])
 
@@ -122,7 +122,7 @@ def _resolve_config(config, mesh, training_args, hidden_size) -> ZeroConfig:
         world = _data_size(mesh, ZeroConfig.data_axis)
         return ZeroConfig.from_deepspeed(config, training_args=training_args, world_size=world,
                                          hidden_size=hidden_size)
-    raise TypeError(f"config must be a ZeroConfig, a dict or the path of a DeepSpeed JSON file, "
+    raise ConfigError(f"config must be a ZeroConfig, a dict or the path of a DeepSpeed JSON file, "
                     f"got {type(config).__name__}")
 
 

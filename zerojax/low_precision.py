@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from zerojax._compat import same_memory_space
+from zerojax.errors import ConfigError
 from zerojax.plan import ZeroPlan
 
 __all__ = ["ROUNDING_STREAM", "opt_for_storage", "opt_for_update", "opt_storage_dtype", "round_master",
@@ -74,7 +75,7 @@ def stochastic_round(x, key, dtype=jnp.bfloat16):
     bf16 step it lies above the value below: uniform bits added under the 16 bits bf16 keeps,
     then truncated. Unbiased (E[result] == x); nan stays nan, inf stays inf."""
     if jnp.dtype(dtype) != jnp.bfloat16:
-        raise ValueError(f"stochastic_round rounds float32 to bfloat16, not to {jnp.dtype(dtype).name}")
+        raise ConfigError(f"stochastic_round rounds float32 to bfloat16, not to {jnp.dtype(dtype).name}")
     x = jnp.asarray(x, jnp.float32)
     bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
     # inside the host update the bits are typed as device values: moved to x's memory space
@@ -101,7 +102,7 @@ def round_master(plan: ZeroPlan, tree, key=None):
     if not plan.config.stochastic_rounding:
         return jax.tree_util.tree_map(lambda x: x.astype(dtype), tree)
     if key is None:
-        raise ValueError("stochastic_rounding needs the step's key: pass update_key(rng) to the update")
+        raise ConfigError("stochastic_rounding needs the step's key: pass update_key(rng) to the update")
     index = {lay.path: i for i, lay in enumerate(plan.leaves)}
     return plan.map(lambda lay, x: None if x is None else stochastic_round(
         x, jax.random.fold_in(key, index[lay.path]), dtype), tree)

@@ -8,6 +8,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from zerojax._compat import mesh_from_devices
+from zerojax.errors import ConfigError
 
 DATA = "data"
 
@@ -34,14 +35,14 @@ def make_mesh(
     shape = tuple(int(s) for s in shape)
     if axis_names is None:
         if len(shape) != 1:
-            raise ValueError(f"make_mesh{shape}: name the axes, e.g. make_mesh({shape}, ('data', 'model'))")
+            raise ConfigError(f"make_mesh{shape}: name the axes, e.g. make_mesh({shape}, ('data', 'model'))")
         axis_names = (DATA,)
     axis_names = tuple(axis_names)
     if len(axis_names) != len(shape):
-        raise ValueError(f"make_mesh: {len(shape)} axis sizes {shape} but {len(axis_names)} names {axis_names}")
+        raise ConfigError(f"make_mesh: {len(shape)} axis sizes {shape} but {len(axis_names)} names {axis_names}")
     count = int(np.prod(shape))
     if count > len(devices):
-        raise ValueError(
+        raise ConfigError(
             f"make_mesh{shape} needs {count} devices but only {len(devices)} exist. On a CPU, simulate more with "
             "XLA_FLAGS=--xla_force_host_platform_device_count=8 (set before jax is imported)."
         )

@@ -40,15 +40,14 @@ from jax.sharding import PartitionSpec as P
 
 from zerojax._compat import compute_on_host, same_memory_space, to_device_memory
 from zerojax.config import ZeroConfig
-from zerojax.errors import ConfigError, HostUpdateWarning, IgnoredKeysWarning
+from zerojax.errors import ConfigError, IgnoredKeysWarning, StateError
 from zerojax.kernels import native
 from zerojax.mesh import make_mesh
 from zerojax.offload.host_update import native_adam_pass, on_cpu_mesh
 from zerojax.plan import DEVICE, ZeroPlan
-from zerojax.precision import global_norm
 from zerojax.stages import collectives as C
 from zerojax.stages.adam import adam_recipe
-from zerojax.stages.update import clip_coefficient
+from zerojax.update._pipeline import clip_gradients, host_or_device
 
 
 class ZeroOptState(NamedTuple):
@@ -67,7 +66,7 @@ def _place(tree, shardings):
 def _check_tree(plan: ZeroPlan, tree, what: str):
     got = jax.tree_util.tree_structure(tree)
     if got != plan.treedef:
-        raise ValueError(f"zero_optimizer: {what} tree {got} does not match the params tree {plan.treedef} "
+        raise StateError(f"zero_optimizer: {what} tree {got} does not match the params tree {plan.treedef} "
                          "given to init; pass grads/params with the same structure as at init.")
 
 
@@ -157,12 +156,6 @@ def zero_optimizer(tx: optax.GradientTransformation, *, mesh=None,
         k = _lift_rank(plan)
         return jax.tree_util.tree_map(lambda x: x.reshape((1,) * k + x.shape), tree)
 
-    def clip(plan: ZeroPlan, grads):
-        if not config.gradient_clipping:
-            return grads
-        coef = clip_coefficient(global_norm(grads), config.gradient_clipping)  # padding adds zeros
-        return jax.tree_util.tree_map(lambda g: g / coef, grads)
-
     def init_fn(params):
         plan = plan_for(params)
         stored = plan.opt_to_storage(tx.init(plan.to_update(split(plan, params))))
@@ -233,26 +226,23 @@ def zero_optimizer(tx: optax.GradientTransformation, *, mesh=None,
             return native_update(plan, recipe, grads, state, params)
         to_host = plan.map(lambda lay, x: jax.device_put(x, plan.master_sharding(lay)), grads)
         params_host = plan.map(lambda lay, x: jax.device_put(x, plan.master_sharding(lay)), params)
-        try:
+        def on_host():
             updates, stored = host_update(plan)(to_host, state.inner, params_host)
-        except ValueError as e:  # raised while tracing for the host, before anything runs
-            warnings.warn(
-                f"zero_optimizer(offload_optimizer='cpu'): this optimizer's update cannot be traced for the host "
-                f"({e}); its state stays in host memory between steps and is updated on the device instead. "
-                "optax.adam/adamw/sgd/lion update on the host.", HostUpdateWarning, stacklevel=4)
-            inner = jax.tree_util.tree_map(to_device_memory, state.inner)
-            updates, stored = lifted_update(plan, grads, inner, params)
-            return updates, store(plan, stored)
-        updates = plan.map(lambda lay, x: jax.device_put(x, plan.master_sharding(lay).with_memory_kind(DEVICE)),
-                           updates)
+            return plan.map(lambda lay, x: jax.device_put(
+                x, plan.master_sharding(lay).with_memory_kind(DEVICE)), updates), stored
+
+        def on_device():
+            return lifted_update(plan, grads, jax.tree_util.tree_map(to_device_memory, state.inner), params)
+
+        updates, stored = host_or_device(on_host, on_device, "zero_optimizer(offload_optimizer='cpu')", stacklevel=6)
         return updates, store(plan, stored)
 
     def update_fn(updates, state: ZeroOptState, params=None):
         if params is None:
-            raise ValueError("zero_optimizer.update needs params (the partition to update is cut from them)")
+            raise ConfigError("zero_optimizer.update needs params (the partition to update is cut from them)")
         plan = plan_for(params)
         _check_tree(plan, updates, "updates")
-        grads = clip(plan, split(plan, updates))
+        grads = clip_gradients(config, split(plan, updates))  # padding adds zeros to the norm
         local_params = split(plan, params)
         if offload:
             new_updates, state = offloaded_update(plan, grads, state, local_params)
@@ -272,7 +262,7 @@ def zero_optimizer(tx: optax.GradientTransformation, *, mesh=None,
 
     def update(updates, state, params=None):
         if params is None:
-            raise ValueError("zero_optimizer.update needs params (the partition to update is cut from them)")
+            raise ConfigError("zero_optimizer.update needs params (the partition to update is cut from them)")
         return jit_update(updates, state, params)
 
     return optax.GradientTransformation(init, update)

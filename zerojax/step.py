@@ -22,6 +22,7 @@ from zerojax.offload.nvme_step import HostLoopStep
 from zerojax.offload.zenflow import ZenFlowStep
 from zerojax.stages.device_step import TrainStep, build_device_step
 from zerojax.state import TrainState
+from zerojax.update._recognize import describe
 
 __all__ = ["METRIC_KEYS", "Step", "StepBase", "TrainStep", "make_train_step"]
 
@@ -78,8 +79,9 @@ def make_train_step(loss_fn: Callable, state: TrainState, *, has_aux: bool = Fal
                               "states")
     # opt-in until the kernel's Triton lowering is measured inside the step on a GPU
     if fused_adam and not fused_adam_ok(state.tx):
-        raise StepOptionError("fused_adam=True needs Adam or AdamW (optax.adam / optax.adamw with constant settings, "
-                              "or optax.inject_hyperparams of them) with bias correction, no mask, eps_root=0 and fp32 "
-                              "moments: the fused kernel computes exactly that update.")
+        raise StepOptionError(f"fused_adam=True: the fused kernel computes Adam/AdamW (optax.adam / optax.adamw with "
+                              "constant settings, or optax.inject_hyperparams of them, with bias correction, no mask, "
+                              f"eps_root=0 and fp32 moments) and the given optimizer is {describe(state.tx)}. Fix: drop "
+                              "fused_adam (every optax optimizer runs on the device path), or use Adam/AdamW")
     return build_device_step(loss_fn, state, has_aux=has_aux, donate=donate, check_errors=check_errors,
                              fused_adam=fused_adam, fused_block_size=fused_block_size)

@@ -451,7 +451,7 @@ def test_optimizer_defaults_are_deepspeed_defaults():
         optimizer_from_config(ZeroConfig())
 
 
-def test_public_names_are_importable_from_zerojax_config_and_the_old_path():
+def test_public_names_are_importable_from_zerojax_config():
     import zerojax
     from zerojax import config
 
@@ -460,14 +460,6 @@ def test_public_names_are_importable_from_zerojax_config_and_the_old_path():
     for name in config.__all__:
         assert getattr(config, name).__name__.startswith(("zerojax", name))
     assert zerojax.optimizer_from_config is config.optimizer_from_config is optimizer_from_config
-    with pytest.warns(DeprecationWarning, match="zerojax.deepspeed has moved to zerojax.config"):
-        import importlib
-        import sys
-
-        sys.modules.pop("zerojax.deepspeed", None)
-        old = importlib.import_module("zerojax.deepspeed")
-    assert old.config_from_deepspeed is config.config_from_deepspeed
-    assert old.TrainingArgs is TrainingArgs
 
 
 # --------------------------------------------------------------------------- command line (--json; the

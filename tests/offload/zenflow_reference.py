@@ -59,6 +59,36 @@ class AdamW:
         return p + F32(-lr) * update
 
 
+class SGD:
+    """optax.sgd's update (momentum 0: plain; Nesterov or not) in float32, as optax writes it."""
+
+    def __init__(self, shape, momentum=0.0, nesterov=False):
+        self.t = np.zeros(shape, F32)
+        self.mom, self.nesterov = momentum, nesterov
+
+    def step(self, p, g, lr):
+        if not self.mom:
+            return p + F32(-lr) * g
+        self.t = g + self.mom * self.t
+        u = g + self.mom * self.t if self.nesterov else self.t
+        return p + F32(-lr) * u
+
+
+class Lion:
+    """optax.lion's update in float32, as optax writes it."""
+
+    def __init__(self, shape, b1=0.9, b2=0.99, weight_decay=0.0):
+        self.m = np.zeros(shape, F32)
+        self.b1, self.b2, self.wd = b1, b2, weight_decay
+
+    def step(self, p, g, lr):
+        u = np.sign((1 - self.b1) * g + self.b1 * self.m)
+        self.m = (1 - self.b2) * g + self.b2 * self.m
+        if self.wd:
+            u = u + self.wd * p
+        return p + F32(-lr) * u
+
+
 class ZenFlowReference:
     """``params = ref.step(batch)``; ``ref.finish()``; ``ref.staleness`` per step.
 
@@ -67,19 +97,21 @@ class ZenFlowReference:
     """
 
     def __init__(self, params, grad_fn, lr_fn, *, topk_ratio, update_interval, overlap, select_interval,
-                 full_warm_up_rounds=0, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0, clip=0.0):
+                 full_warm_up_rounds=0, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0, clip=0.0, make=None):
         leaves, self.treedef = jax.tree_util.tree_flatten(params)
         self.p = [np.array(x, F32) for x in leaves]
         self.grad_fn, self.lr_fn = grad_fn, lr_fn
         self.interval, self.overlap, self.select_interval = update_interval, overlap, select_interval
         self.warm_up, self.clip = full_warm_up_rounds, clip
-        self.adam = dict(b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
+        adam = dict(b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
+        # the optimizer of every update, host and device: AdamW unless ``make(shape)`` says otherwise
+        self.make = make or (lambda shape: AdamW(shape, **adam))
         self.mat = [i for i, x in enumerate(self.p) if x.ndim == 2 and x.shape[0] > 1]
         self.vec = [i for i in range(len(self.p)) if i not in self.mat]
         self.k = {i: max(1, math.ceil(topk_ratio * self.p[i].shape[0])) for i in self.mat}
         self.master = {i: self.p[i].copy() for i in self.mat}
-        self.host = {i: AdamW(self.p[i].shape, **self.adam) for i in self.mat}
-        self.vec_adam = {i: AdamW(self.p[i].shape, **self.adam) for i in self.vec}
+        self.host = {i: self.make(self.p[i].shape) for i in self.mat}
+        self.vec_adam = {i: self.make(self.p[i].shape) for i in self.vec}
         self.sel_adam: dict = {}
         self.idx: dict = {}
         self.acc = [{i: np.zeros(self.p[i].shape, F32) for i in self.mat} for _ in range(2)]
@@ -151,7 +183,7 @@ class ZenFlowReference:
                     gap = scores[order[k - 1]] - scores[order[k]]
                     assert gap > 1e-4 * max(scores[order[k - 1]], 1e-30), f"leaf {i}: near-tie at the top-{k} cut"
                 self.idx[i] = np.sort(order[:k])
-                self.sel_adam[i] = AdamW((k,) + self.p[i].shape[1:], **self.adam)
+                self.sel_adam[i] = self.make((k,) + self.p[i].shape[1:])
         if not warm:
             for i in self.mat:
                 ix = self.idx[i]

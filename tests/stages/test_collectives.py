@@ -284,7 +284,7 @@ def test_prefetch_adds_params_while_fewer_than_the_bucket_are_on_the_way(bucket,
     # than a block's matrices); a bucket of 0 prefetches nothing
     import types
 
-    from zerojax.stages import stage3
+    from zerojax.stages import stage3, stage3_values
     from zerojax.stages.reuse import Slicing
 
     class Param:  # what the prefetch walk reads of a stage-3 param
@@ -296,7 +296,7 @@ def test_prefetch_adds_params_while_fewer_than_the_bucket_are_on_the_way(bucket,
     bases = [Param(n, size) for n, size in [("a", 100), ("b", 500), ("c", 500), ("d", 100), ("e", 100)]]
     bases[3].full = "already gathered"  # counts nothing, as in DeepSpeed
     interp = stage3._Interpreter(wire=None, prefetch=bucket, slicing=Slicing(bucket=10**9, live=10**9))
-    interp._prefetch([stage3.Lazy((bases[0],), stage3._identity)], bases, anchor=None)
+    interp._prefetch([stage3_values.Lazy((bases[0],), stage3_values._identity)], bases, anchor=None)
     assert together == ahead
 
 

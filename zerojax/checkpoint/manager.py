@@ -11,9 +11,18 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from zerojax.checkpoint.export import consolidate
-from zerojax.checkpoint.format import (DATA, META, SAFETENSORS_16BIT, STATE, logical_tree, relayout, restore_spec,
-                                       verify)
+from zerojax.checkpoint.format import (
+    DATA,
+    META,
+    SAFETENSORS_16BIT,
+    STATE,
+    logical_tree,
+    relayout,
+    restore_spec,
+    verify,
+)
 from zerojax.checkpoint.steps import complete, pick_step, read_meta, read_state
+from zerojax.errors import ConfigError
 from zerojax.state import TrainState
 
 __all__ = ["CheckpointManager", "restore"]
@@ -54,7 +63,7 @@ class CheckpointManager:
     def __init__(self, directory, max_to_keep: int | None = None, best_metric: str | None = None,
                  best_mode: str = "min", async_save: bool = True):
         if best_mode not in ("min", "max"):
-            raise ValueError(f"best_mode={best_mode!r}: use 'min' or 'max'")
+            raise ConfigError(f"best_mode={best_mode!r}: use 'min' or 'max'")
         self.directory = os.path.abspath(os.fspath(directory))
         self.best_metric = best_metric
         options = ocp.CheckpointManagerOptions(
@@ -71,7 +80,7 @@ class CheckpointManager:
              data_state: dict | None = None) -> bool:
         """Start writing ``state`` as ``step``; returns once the arrays are copied off the devices."""
         if self.best_metric and (metrics is None or self.best_metric not in metrics):
-            raise ValueError(f"save(step={step}) needs metrics[{self.best_metric!r}]: the manager keeps the best "
+            raise ConfigError(f"save(step={step}) needs metrics[{self.best_metric!r}]: the manager keeps the best "
                              f"steps by it (best_metric={self.best_metric!r})")
         self._finish_16bit()
         tree, meta = logical_tree(state)

@@ -13,7 +13,7 @@ import optax
 
 from zerojax.config.schedules import from_deepspeed as schedule_from_deepspeed, onecycle_momentum_from_deepspeed
 from zerojax.config.checks import optimizer_block
-from zerojax.errors import ConfigError
+from zerojax.errors import ConfigError, IgnoredKeysWarning
 
 __all__ = ["optimizer_from_config", "scale_by_adam_uncorrected"]
 
@@ -116,7 +116,7 @@ def optimizer_from_config(config: ZeroConfig) -> optax.GradientTransformation:
         b1, b2 = momentum, 0.99
     elif momentum is not None:
         warnings.warn(f"scheduler.params.cycle_momentum is disabled because {name} has no betas "
-                      "(as in DeepSpeed). Set it to false to silence this warning", stacklevel=2)
+                      "(as in DeepSpeed). Set it to false to silence this warning", IgnoredKeysWarning, stacklevel=2)
     wd = p["weight_decay"]
     if name in ("Adam", "AdamW"):
         factory, kwargs = _adam, dict(b1=b1, b2=b2, eps=p["eps"], decoupled=name == "AdamW" or p["adam_w_mode"],

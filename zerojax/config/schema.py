@@ -284,9 +284,6 @@ FIELDS: dict[str, FieldSpec] = {f.name: f for f in (
               doc="hpZ: a secondary partition over the node's devices serves the backward gathers"),
     FieldSpec("quantized_gradients", False, boolean, "use true or false", (f"{_Z}.zero_quantized_gradients",),
               stage3_only=True, doc="qgZ: gradients reduced by quantized all-to-all, inside then across nodes"),
-    FieldSpec("quantized_nontrainable_weights", False, boolean, "use false: zerojax trains every leaf",
-              doc="accepted and warned (zero_optimization.zero_quantized_nontrainable_weights is warned by the "
-                  "reader): zerojax has no frozen leaves to store quantized"),
     FieldSpec("quantization_block_size", 256, integer(1), "use a positive number of values per block, e.g. 256",
               doc="no DeepSpeed key: values per quantization block (one float32 maximum each) for qwZ and qgZ"),
     FieldSpec("quantized_gradients_bits", 4, choice(4, 8), "use 4 (DeepSpeed's) or 8",
@@ -388,9 +385,6 @@ RULES: tuple = (
     # ZeRO++ below stage 3: DeepSpeed reads the keys and ignores them; so does zerojax, warning
     *(_stage3_tuning(f, "warn") for f in ZEROPP),
     *LOW_PRECISION_RULES,
-    Rule("quantized_nontrainable_weights", (), lambda v: v["quantized_nontrainable_weights"],
-         lambda v, n: f"is not honoured: {NONTRAINABLE}", "remove it; quantized_weights quantizes the weights' "
-         "gathers", on_zeroconfig="warn"),
 )
 
 

@@ -73,7 +73,6 @@ class ZeroConfig:
     quantized_weights: bool = _D["quantized_weights"]  # qwZ: 8-bit weight gathers
     hpz_partition_size: int = _D["hpz_partition_size"]  # hpZ: devices per node (1: off)
     quantized_gradients: bool = _D["quantized_gradients"]  # qgZ: quantized two-hop gradient reduction
-    quantized_nontrainable_weights: bool = _D["quantized_nontrainable_weights"]  # accepted, warned
     quantization_block_size: int = _D["quantization_block_size"]  # values per block (one fp32 maximum each)
     quantized_gradients_bits: int = _D["quantized_gradients_bits"]  # 4 (DeepSpeed's) or 8
     devices_per_node: Optional[int] = _D["devices_per_node"]  # None: hpz_partition_size, else one process's

@@ -31,6 +31,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from zerojax.errors import ConfigError
+
 __all__ = ["fused_adamw", "adamw_reference_math"]
 
 # Runtime scalars travel as one small fp32 vector (a power of two long, as Triton block
@@ -156,18 +158,18 @@ def fused_adamw(master: jax.Array, m: jax.Array, v: jax.Array, grads: jax.Array,
       num_warps, num_stages: Triton launch parameters (ignored when interpreting).
     """
     if block_size < 8 or block_size & (block_size - 1):
-        raise ValueError(f"fused_adamw: block_size={block_size} must be a power of two >= 8 "
+        raise ConfigError(f"fused_adamw: block_size={block_size} must be a power of two >= 8 "
                          "(Triton block shapes are powers of two).")
     n = master.shape[0] if master.ndim == 1 else -1
     for name, x in (("master", master), ("m", m), ("v", v), ("grads", grads)):
         if x.ndim != 1 or x.shape[0] != n:
-            raise ValueError(f"fused_adamw: {name} has shape {x.shape}; every buffer must be "
+            raise ConfigError(f"fused_adamw: {name} has shape {x.shape}; every buffer must be "
                              f"flat with the size of master ({master.shape}). Flatten with "
                              "FlatLayout or x.reshape(-1).")
         if name != "grads" and x.dtype != jnp.float32:
-            raise TypeError(f"fused_adamw: {name} must be float32, got {x.dtype}.")
+            raise ConfigError(f"fused_adamw: {name} must be float32, got {x.dtype}.")
     if not jnp.issubdtype(grads.dtype, jnp.floating):
-        raise TypeError(f"fused_adamw: grads must be a float array, got {grads.dtype}.")
+        raise ConfigError(f"fused_adamw: grads must be a float array, got {grads.dtype}.")
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     return _fused_adamw(master, m, v, grads, count, lr, b1, b2, eps, weight_decay,

@@ -1,7 +1,6 @@
 """The fused AdamW update of the device step: the Pallas kernel over each partition."""
 from __future__ import annotations
 
-import jax.numpy as jnp
 
 from zerojax._compat import shard_map
 from zerojax.kernels.fused_adam import fused_adamw

@@ -34,16 +34,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from zerojax.errors import ConfigError, NativeKernelWarning
+
 __all__ = ["NativeKernelWarning", "adamw_scalars", "available", "host_adamw", "default_threads"]
 
 TARGET = "zerojax_host_adamw"
 SOURCE = Path(__file__).with_name("host_adamw.cc")
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC", "-pthread", "-w"]
 _lock = threading.Lock()
-
-
-class NativeKernelWarning(UserWarning):
-    """The native host kernel could not be built or loaded; the XLA path runs instead."""
 
 
 def default_threads() -> int:
@@ -175,11 +173,11 @@ def host_adamw(scalars, params, grads, mu, nu, out16=None, *, updates: bool, thr
     """
     why = _load()
     if why is not None:
-        raise RuntimeError(f"host_adamw: the native kernel is unavailable ({why}); check native.available() first")
+        raise ConfigError(f"host_adamw: the native kernel is unavailable ({why}); check native.available() first")
     n = len(params)
     with16 = out16 is not None
     if with16 and updates:
-        raise ValueError("host_adamw: out16 is for params mode (updates=False)")
+        raise ConfigError("host_adamw: out16 is for params mode (updates=False)")
     operands, results, aliases = [scalars], [], {}
     per_arg = 5 if with16 else 4
     per_ret = 4 if with16 else 3
@@ -197,7 +195,7 @@ def host_adamw(scalars, params, grads, mu, nu, out16=None, *, updates: bool, thr
     if updates:  # u is written over g: g must be fp32 there
         bad = [k for k in range(n) if grads[k].dtype != jnp.float32]
         if bad:
-            raise TypeError(f"host_adamw: updates mode needs fp32 grads (leaves {bad} are not)")
+            raise ConfigError(f"host_adamw: updates mode needs fp32 grads (leaves {bad} are not)")
     call = jax.ffi.ffi_call(TARGET, results, input_output_aliases=aliases, vmap_method="sequential")
     out = call(*operands, leaves=np.int64(n), updates=np.int64(bool(updates)), out16=np.int64(with16),
                threads=np.int64(threads or default_threads()))

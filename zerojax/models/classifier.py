@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from zerojax.errors import ConfigError
 from zerojax.models import gpt
 from zerojax.models.gpt import GPTConfig
 
@@ -43,7 +44,7 @@ Data = Dict[str, np.ndarray]  # {"tokens": int32[N, T], "length": int32[N], "lab
 def model_config(d_model: int = 96, n_layer: int = 3, seq_len: int = SEQ_LEN, vocab_size: int = VOCAB) -> GPTConfig:
     """The backbone's GPTConfig: heads of width HEAD_DIM."""
     if d_model % HEAD_DIM:
-        raise ValueError(f"d_model={d_model} must be a multiple of HEAD_DIM={HEAD_DIM}")
+        raise ConfigError(f"d_model={d_model} must be a multiple of HEAD_DIM={HEAD_DIM}")
     return GPTConfig(vocab=vocab_size, n_layer=n_layer, d_model=d_model, n_head=d_model // HEAD_DIM,
                      seq_len=seq_len)
 
@@ -97,7 +98,7 @@ def predict(params, data: Data, batch_size: int = 256) -> np.ndarray:
 def accuracy(params, data: Data, batch_size: int = 256) -> float:
     """Fraction of ``data`` whose predicted label is its label."""
     if not len(data["label"]):
-        raise ValueError("accuracy of an empty data set")
+        raise ConfigError("accuracy of an empty data set")
     return float(np.mean(predict(params, data, batch_size) == data["label"]))
 
 

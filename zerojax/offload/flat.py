@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from zerojax.errors import ConfigError
 from zerojax.offload.host_buffers import host_or_numpy
 
 __all__ = ["FlatLayout"]
@@ -62,7 +63,7 @@ class FlatLayout:
         bufs = self.empty() if out is None else out
         for leaf, shape, dt, off in zip(leaves, self.shapes, self.dtypes, self.offsets):
             if tuple(np.shape(leaf)) != shape:
-                raise ValueError(f"FlatLayout.flatten: leaf has shape {np.shape(leaf)}, "
+                raise ConfigError(f"FlatLayout.flatten: leaf has shape {np.shape(leaf)}, "
                                  f"layout expects {shape}; rebuild the layout for this tree.")
             size = math.prod(shape)
             np.copyto(bufs[dt][off:off + size], np.asarray(leaf).reshape(-1),
@@ -79,7 +80,7 @@ class FlatLayout:
         ``total`` elements whatever its element type (the same offsets serve the fp32 state,
         the 16-bit gradients and the 16-bit params)."""
         if len(self.sizes) != 1 or flat.size != self.total:
-            raise ValueError(f"FlatLayout.views: needs a layout of one dtype (got {sorted(self.sizes)}) and a "
+            raise ConfigError(f"FlatLayout.views: needs a layout of one dtype (got {sorted(self.sizes)}) and a "
                              f"flat buffer of {self.total} elements (got {flat.size}).")
         return self.treedef.unflatten([self._leaf(flat, shape, off) for shape, off in zip(self.shapes, self.offsets)])
 

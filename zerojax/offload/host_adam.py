@@ -61,8 +61,17 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from zerojax.errors import ConfigError
 from zerojax.kernels import native
-from zerojax.offload.host_buffers import BF16, F16, F32, U16, cpu_device, host_buffer_of, host_zeros
+from zerojax.offload.host_buffers import (
+    BF16,
+    F16,
+    F32,
+    U16,
+    cpu_device,
+    host_buffer_of,
+    host_zeros,
+)
 from zerojax.offload.threads import ThreadSplit
 
 __all__ = ["HostAdamW"]
@@ -84,23 +93,23 @@ def _kind16(a: np.ndarray, name: str) -> str:
         return "f16"
     allowed = "float32, bfloat16, float16 or uint16" if name == "grads" else \
         "bfloat16, float16 or uint16 (bfloat16 bits)"
-    raise TypeError(f"HostAdamW: {name} has dtype {a.dtype}; expected {allowed}.")
+    raise ConfigError(f"HostAdamW: {name} has dtype {a.dtype}; expected {allowed}.")
 
 
 
 def _check_flat(a: Any, name: str, n: int, dtype: np.dtype | None = None,
                 writable: bool = False) -> None:
     if not isinstance(a, np.ndarray):
-        raise TypeError(f"HostAdamW: {name} must be a numpy array (got {type(a).__name__}); "
+        raise ConfigError(f"HostAdamW: {name} must be a numpy array (got {type(a).__name__}); "
                         "convert a jax array with np.asarray and keep the result.")
     if a.ndim != 1 or a.size != n or not a.flags.c_contiguous:
-        raise ValueError(f"HostAdamW: {name} must be a flat contiguous array of {n} elements, "
+        raise ConfigError(f"HostAdamW: {name} must be a flat contiguous array of {n} elements, "
                          f"got shape {a.shape} (contiguous={a.flags.c_contiguous}); "
                          "pass x.reshape(-1) of a contiguous buffer.")
     if dtype is not None and a.dtype != dtype:
-        raise TypeError(f"HostAdamW: {name} must be {dtype}, got {a.dtype}.")
+        raise ConfigError(f"HostAdamW: {name} must be {dtype}, got {a.dtype}.")
     if writable and not a.flags.writeable:
-        raise ValueError(f"HostAdamW: {name} is read-only (np.asarray of a jax array is); "
+        raise ConfigError(f"HostAdamW: {name} is read-only (np.asarray of a jax array is); "
                          "updates happen in place, so pass a writable copy (np.array(x)).")
 
 
@@ -273,17 +282,17 @@ class HostAdamW:
                  num_threads: int | None = None, chunk_elements: int = 65536,
                  compiled: bool = True, block_elements: int = 32768, native: bool = True):
         if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
-            raise ValueError(f"HostAdamW: b1={b1} and b2={b2} must lie in [0, 1).")
+            raise ConfigError(f"HostAdamW: b1={b1} and b2={b2} must lie in [0, 1).")
         if chunk_elements < _ALIGN or chunk_elements % _ALIGN:
-            raise ValueError(f"HostAdamW: chunk_elements={chunk_elements} must be a positive "
+            raise ConfigError(f"HostAdamW: chunk_elements={chunk_elements} must be a positive "
                              f"multiple of {_ALIGN}.")
         if block_elements < 1:
-            raise ValueError(f"HostAdamW: block_elements={block_elements} must be >= 1.")
+            raise ConfigError(f"HostAdamW: block_elements={block_elements} must be >= 1.")
         if num_threads is None:
             num_threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
                 else (os.cpu_count() or 1)
         if num_threads < 1:
-            raise ValueError(f"HostAdamW: num_threads={num_threads} must be >= 1.")
+            raise ConfigError(f"HostAdamW: num_threads={num_threads} must be >= 1.")
         self.lr, self.b1, self.b2, self.eps = float(lr), float(b1), float(b2), float(eps)
         self.weight_decay = float(weight_decay)
         self.num_threads = int(num_threads)
@@ -333,7 +342,7 @@ class HostAdamW:
             _check_flat(out16, "out16", n, writable=True)
             okind = _kind16(out16, "out16")
         if int(count) < 1:
-            raise ValueError(f"HostAdamW: count={count} must be >= 1 (1 for the first step).")
+            raise ConfigError(f"HostAdamW: count={count} must be >= 1 (1 for the first step).")
         coefs = self._coefficients(int(count), self.lr if lr is None else float(lr),
                                    float(grad_scale))
         if self.compiled and self._step_compiled(params, grads, m, v, out16, gkind, okind,

@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from zerojax.errors import ConfigError
+
 __all__ = ["HostBuffer", "cpu_device", "host_buffer_of", "host_or_numpy", "host_zeros", "storage_kind"]
 
 F32 = np.dtype(np.float32)
@@ -63,7 +65,7 @@ def host_zeros(n: int, dtype: Any = np.float32) -> np.ndarray:
     dt = np.dtype(dtype)
     kind = storage_kind(dt)
     if kind is None:
-        raise TypeError(f"host_zeros: dtype {dt} is not supported; use float32, bfloat16, "
+        raise ConfigError(f"host_zeros: dtype {dt} is not supported; use float32, bfloat16, "
                         "float16 or uint16.")
     # jnp.zeros, not device_put of a numpy array: device_put may wrap the numpy memory
     # without copying, and XLA does not write in place into memory it does not own.

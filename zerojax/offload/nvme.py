@@ -40,7 +40,7 @@ from typing import Optional
 
 import numpy as np
 
-from zerojax.errors import NvmeError
+from zerojax.errors import ConfigError, NvmeError
 from zerojax.offload.host_adam import HostAdamW
 
 __all__ = ["NvmeError", "NvmeOptimizerStore"]
@@ -131,7 +131,7 @@ class NvmeOptimizerStore:
                  optimizer: Optional[HostAdamW] = None, fsync: bool = True,
                  drop_page_cache: bool = False):
         if num_elements < 1 or sub_group_size < 1:
-            raise ValueError(f"NvmeOptimizerStore: num_elements={num_elements} and "
+            raise ConfigError(f"NvmeOptimizerStore: num_elements={num_elements} and "
                              f"sub_group_size={sub_group_size} must both be >= 1.")
         self.path = os.fspath(path)
         self.num_elements, self.sub_group_size = int(num_elements), int(sub_group_size)
@@ -190,7 +190,7 @@ class NvmeOptimizerStore:
              grad_scale: float = 1.0, out16: Optional[np.ndarray] = None) -> None:
         """One AdamW step over the whole state (see ``HostAdamW.step`` for the args)."""
         if self._slot is None:
-            raise RuntimeError(f"NvmeOptimizerStore({self.path!r}): call init(params) before "
+            raise ConfigError(f"NvmeOptimizerStore({self.path!r}): call init(params) before "
                                "step(); there is no committed state yet.")
         self._check_size(grads_flat, "grads_flat")
         if out16 is not None:
@@ -226,9 +226,9 @@ class NvmeOptimizerStore:
     def read(self, name: str = "master", out: Optional[np.ndarray] = None) -> np.ndarray:
         """The committed ``master``, ``m`` or ``v`` as one flat fp32 array."""
         if name not in _FIELDS:
-            raise ValueError(f"NvmeOptimizerStore.read: name={name!r}; expected one of {_FIELDS}.")
+            raise ConfigError(f"NvmeOptimizerStore.read: name={name!r}; expected one of {_FIELDS}.")
         if self._slot is None:
-            raise RuntimeError(f"NvmeOptimizerStore({self.path!r}): nothing committed yet; "
+            raise ConfigError(f"NvmeOptimizerStore({self.path!r}): nothing committed yet; "
                                "call init(params) first.")
         out = np.empty(self.num_elements, np.float32) if out is None else out
         row = _FIELDS.index(name)
@@ -274,7 +274,7 @@ class NvmeOptimizerStore:
 
     def _check_size(self, x, name: str) -> None:
         if np.ndim(x) != 1 or np.size(x) != self.num_elements:
-            raise ValueError(f"NvmeOptimizerStore: {name} has shape {np.shape(x)}; expected "
+            raise ConfigError(f"NvmeOptimizerStore: {name} has shape {np.shape(x)}; expected "
                              f"a flat array of {self.num_elements} elements.")
 
     def _group_view(self, i: int, buf: np.ndarray):

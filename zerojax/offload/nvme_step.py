@@ -19,21 +19,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zerojax.contract import NON_FINITE, OK, StepBase
+from zerojax.contract import StepBase
 from zerojax.errors import ConfigError
 from zerojax.offload.flat import FlatLayout
-from zerojax.offload.host_adam import HostAdamW
+from zerojax.offload.host_rule import HostOptimizer
 from zerojax.offload.nvme import NvmeOptimizerStore, _validate_dir
-from zerojax.precision import global_norm, step_is_finite
-from zerojax.state import TrainState
-from zerojax.offload.hyperparams import LearningRate, adamw_hyperparams
 from zerojax.stages.gradients import grads_fn
-from zerojax.stages.update import clip_coefficient
+from zerojax.state import TrainState
+from zerojax.update._pipeline import check_gradients, step_metrics
+from zerojax.update._recognize import StepSettings, recognize, refuse
+
 
 class MemoryAdamW:
     """The store interface over host-memory buffers: init / step / read_master / close."""
 
-    def __init__(self, num_elements: int, optimizer: HostAdamW):
+    def __init__(self, num_elements: int, optimizer: HostOptimizer):
         self.optimizer = optimizer
         self.master = np.zeros(num_elements, np.float32)
         self.m = np.zeros(num_elements, np.float32)
@@ -70,10 +70,11 @@ class HostLoopStep(StepBase):
         if cfg.precision == "fp16":
             raise ConfigError("offload_optimizer='nvme' with precision='fp16' is not supported. Fix: use bf16")
         self.plan, self.cfg, self.check_errors = plan, cfg, check_errors
-        hp = adamw_hyperparams(state)
-        self.host_opt = HostAdamW(lr=hp["lr"], b1=hp["b1"], b2=hp["b2"], eps=hp["eps"],
-                                  weight_decay=hp["weight_decay"])
-        self.lr = LearningRate(state, hp["lr"])
+        opt = recognize(state.tx)
+        if opt is None:
+            raise refuse(state.tx, f"offload_optimizer={cfg.offload_optimizer!r} (the host loop)")
+        self.settings = StepSettings(state.tx, opt)
+        self.host_opt = HostOptimizer(opt, self.settings.peek())
         self.cdt = plan.compute_dtype
         self.layout = FlatLayout.from_tree([jax.ShapeDtypeStruct(lay.shape, np.float32) for lay in plan.leaves])
         n = self.layout.total
@@ -85,21 +86,17 @@ class HostLoopStep(StepBase):
         elif store == "memory":
             self.store = MemoryAdamW(n, self.host_opt)
         else:
-            raise ValueError(f"store={store!r}: expected 'nvme' or 'memory'")
+            raise ConfigError(f"store={store!r}: expected 'nvme' or 'memory'")
         self.grads = np.empty(n, jnp.dtype(self.cdt))
         self.out16 = np.empty(n, jnp.dtype(self.cdt)) if self.cdt != jnp.float32 else None
         self.count = 0
         self.store.init(self.layout.fill(np.empty(n, np.float32), plan.params_logical(state.params)))
         compute_grads = grads_fn(loss_fn, plan, has_aux)
-        clip = cfg.gradient_clipping
         def device(params, batch, rng):
             g, loss = compute_grads(params, batch, jnp.float32(1.0), rng)
-            g = plan.to_update(g)
-            norm = global_norm(g)
-            finite = step_is_finite(norm, loss)
-            coef = clip_coefficient(norm, clip)
-            leaves = [(x / coef).astype(self.cdt) for x in plan.treedef.flatten_up_to(g)]
-            return leaves, {"loss": loss, "grad_norm": norm, "finite": finite, "coef": coef}
+            checked = check_gradients(cfg, plan.to_update(g), loss)
+            leaves = [(x / checked.coef).astype(self.cdt) for x in plan.treedef.flatten_up_to(checked.grads)]
+            return leaves, loss, checked._replace(grads=None)
 
         def place(leaves):
             return plan.params_stored([x.astype(self.cdt) for x in leaves])
@@ -115,23 +112,20 @@ class HostLoopStep(StepBase):
     def __call__(self, state: TrainState, batch):
         self._check(state, batch)
         rng = jax.random.fold_in(state.rng, state.step)
-        grads, m = self._device(state.params, batch, rng)
-        finite = bool(m["finite"])
-        skip = not finite and (self.cfg.precision != "bf16" or self.cfg.check_grad_overflow)
-        lr = float("nan")
+        grads, loss, checked = self._device(state.params, batch, rng)
+        skip = bool(checked.skip)
+        hp = self.settings.peek()  # what this step uses, or would have used where skipped
         if not skip:
             self.layout.fill(self.grads, grads)
             self.count += 1
-            lr = self.lr.next()
+            self.host_opt.use(self.settings.next())
             # a failed write raises NvmeError here; the store keeps its last committed step and
             # the caller's state (not donated) is untouched
-            self.store.step(self.grads, self.count, lr=lr, out16=self.out16)
+            self.store.step(self.grads, self.count, lr=float(hp["learning_rate"]), out16=self.out16)
             flat = self.out16 if self.out16 is not None else self.store.read_master()
             state = state.replace(params=self._place(self.layout.views(flat)))
         new_state = state.replace(step=state.step + 1)
-        metrics = {"loss": m["loss"], "grad_norm": m["grad_norm"], "skipped": jnp.asarray(skip),
-                   "learning_rate": jnp.float32(lr), "loss_scale": jnp.float32(1.0),
-                   "error": jnp.int32(OK if finite or self.cfg.precision != "fp32" else NON_FINITE)}
+        metrics = step_metrics(self.cfg, loss, checked, hp["learning_rate"])
         self._report(new_state, metrics)
         return new_state, metrics
 

@@ -48,21 +48,19 @@ from typing import Callable, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zerojax.config.checks import zenflow_block
+from zerojax.contract import StepBase, check_state
 from zerojax.errors import ConfigError
 from zerojax.offload.flat import FlatLayout
-from zerojax.offload.host_adam import HostAdamW
 from zerojax.offload.host_buffers import host_zeros
-from zerojax.precision import global_norm, step_is_finite
-from zerojax.state import TrainState
-from zerojax.contract import NON_FINITE, OK, StepBase, check_state
-from zerojax.offload.hyperparams import LearningRate, adamw_hyperparams
+from zerojax.offload.host_rule import HostOptimizer
 from zerojax.stages.gradients import grads_fn
-from zerojax.stages.update import clip_coefficient
+from zerojax.state import TrainState
+from zerojax.update._pipeline import check_gradients, step_metrics
+from zerojax.update._recognize import StepSettings, direction, recognize, refuse
 
 AUTO_MAX_INTERVAL = 64  # "auto" fires at least this often
 
@@ -110,7 +108,11 @@ class ZenFlowStep(StepBase):
             raise ConfigError("zenflow with precision='fp16' is not supported (its loss scaler would have to skip "
                               "host updates). Fix: use bf16")
         self.plan, self.z = plan, zenflow_settings(cfg.zenflow)
-        self.hp = adamw_hyperparams(state)
+        opt = recognize(state.tx)
+        if opt is None:
+            raise refuse(state.tx, "zenflow")
+        self.settings = StepSettings(state.tx, opt)
+        hp = self.settings.peek()
         self.k = float(self.z["topk_ratio"])
         self.interval = self.z["update_interval"]
         self.overlap = bool(self.z["overlap_step"])
@@ -120,21 +122,17 @@ class ZenFlowStep(StepBase):
         self.mat = [i for i, lay in enumerate(plan.leaves) if len(lay.shape) == 2 and lay.shape[0] > 1]
         self.vec = [i for i in range(len(plan.leaves)) if i not in self.mat]
         self.topk = [max(1, math.ceil(self.k * plan.leaves[i].shape[0])) for i in self.mat]
-        hp = self.hp
-        # AdamW without its learning rate, which is applied per step (schedules): optax.adamw is
-        # this chain followed by scaling with -lr
-        self.dev_tx = optax.chain(optax.scale_by_adam(hp["b1"], hp["b2"], hp["eps"]),
-                                  optax.add_decayed_weights(hp["weight_decay"]))
-        self.lr = LearningRate(state, hp["lr"])
+        # the optimizer without its learning rate, which is applied per step (schedules): the
+        # user's optimizer is this direction followed by scaling with -lr
+        self.dev_tx = direction(opt, hp)
         cores = os.cpu_count() or 1
         threads = max(1, round(cores * float(self.z["pt_reserved_cores_perc"])))
-        self.host_opt = HostAdamW(lr=hp["lr"], b1=hp["b1"], b2=hp["b2"], eps=hp["eps"],
-                                  weight_decay=hp["weight_decay"], num_threads=threads)
+        self.host_opt = HostOptimizer(opt, hp, num_threads=threads)
         # one host worker runs, in order, every gradient's accumulation and every host update, so
         # the device's next steps are dispatched while the host is busy (a FIFO: an update sees
         # exactly the gradients accumulated before it)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="zenflow-host")
-        self._lr_now = hp["lr"]
+        self._lr_now = float(hp["learning_rate"])
 
         # ---- host buffers (fp32, logical shapes of the 2-D weights, one flat buffer each)
         self.layout = FlatLayout.from_tree([jax.ShapeDtypeStruct(plan.leaves[i].shape, np.float32) for i in self.mat])
@@ -178,9 +176,8 @@ class ZenFlowStep(StepBase):
     def _build(self, loss_fn, has_aux):
         plan, cdt, mat, vec = self.plan, self.cdt, self.mat, self.vec
         compute_grads = grads_fn(loss_fn, plan, has_aux)
-        tx, topk, clip = self.dev_tx, self.topk, plan.config.gradient_clipping
+        tx, topk, cfg = self.dev_tx, self.topk, plan.config
         masses = self.interval == "auto"
-        skippable = plan.config.precision != "bf16" or plan.config.check_grad_overflow
         f32 = jnp.float32
         rep = NamedSharding(plan.mesh, P())
 
@@ -198,11 +195,8 @@ class ZenFlowStep(StepBase):
         def device_step(params, dev, batch, rng, lr, reselect: bool, warm: bool):
             leaves = plan.params_logical(params)
             g_st, loss = compute_grads(params, batch, f32(1.0), rng)
-            g = plan.treedef.flatten_up_to(plan.to_update(g_st))
-            norm = global_norm(g)
-            coef = clip_coefficient(norm, clip)
-            g = [x / coef for x in g]
-            finite = step_is_finite(norm, loss)
+            checked = check_gradients(cfg, plan.treedef.flatten_up_to(plan.to_update(g_st)), loss)
+            g = [x / checked.coef for x in checked.grads]
             idx, sel, sel_opt = dev["idx"], dev["sel"], dev["sel_opt"]
             if reselect:
                 # one score per input feature crosses devices, not the gradient
@@ -223,7 +217,7 @@ class ZenFlowStep(StepBase):
             vec_master = descend(dev["vec"], upd, lr)
             for i, x in zip(vec, vec_master):
                 out[i] = x.astype(cdt)
-            metrics = {"loss": loss, "grad_norm": norm, "finite": finite}
+            metrics = {"loss": loss, "checked": checked._replace(grads=None)}
             if masses:  # Zen-auto's gradient masses: two passes over the gradients, only when read
                 imp = jnp.stack([jnp.sum(jnp.abs(x)) for x in g_sel]) if mat else jnp.zeros((0,))
                 tot = jnp.stack([jnp.sum(jnp.abs(g[i])) for i in mat]) if mat else jnp.zeros((0,))
@@ -231,7 +225,7 @@ class ZenFlowStep(StepBase):
             new_params = plan.params_stored(out)
             new_dev = {"idx": idx, "sel": sel, "sel_opt": sel_opt, "vec": vec_master, "vec_opt": vec_opt}
             # a non-finite step changes nothing; a select (not lax.cond) keeps the update in place
-            apply = finite | (not skippable)
+            apply = ~checked.skip
             keep = functools.partial(jax.tree_util.tree_map, lambda o, n: jnp.where(apply, n, o))
             new_params, new_dev = keep(params, new_params), keep(dev, new_dev)
             host_grads = [jnp.where(apply, g[i], 0).astype(cdt) for i in mat]
@@ -346,7 +340,8 @@ class ZenFlowStep(StepBase):
         warm, reselect = self._variant()
         dev = self.dev if self.dev is not None else self._init_dev(state.params)
         rng = jax.random.fold_in(state.rng, state.step)
-        return self._device_step.lower(state.params, dev, batch, rng, jnp.float32(self.lr.peek()),
+        return self._device_step.lower(state.params, dev, batch, rng,
+                                       jnp.float32(self.settings.peek()["learning_rate"]),
                                        reselect=reselect, warm=warm)
 
     def __call__(self, state: TrainState, batch):
@@ -368,17 +363,17 @@ class ZenFlowStep(StepBase):
             self.since_select = 0
             self.epochs_since_select = 0
         rng = jax.random.fold_in(state.rng, state.step)
-        lr = self.lr.peek()
+        hp = self.settings.peek()
+        lr = float(hp["learning_rate"])
         params, self.dev, grads, metrics = self._device_step(params, self.dev, batch, rng, jnp.float32(lr),
                                                              reselect=reselect, warm=warm)
-        finite = bool(metrics["finite"])
-        skip = not finite and (self.plan.config.precision != "bf16" or self.plan.config.check_grad_overflow)
-        if skip:  # nothing changed: the device kept its values, no gradient goes to the host
+        if bool(metrics["checked"].skip):  # nothing changed: no gradient goes to the host
             new_state = state.replace(step=state.step + 1, params=params)
-            out = self._metrics(metrics, float("nan"), skip=True, finite=False)
+            out = self._metrics(metrics, lr)
             self._report(new_state, out)
             return new_state, out
-        self._lr_now = self.lr.next()
+        self.host_opt.use(self.settings.next())
+        self._lr_now = lr
         self.steps += 1
         self.since_select += 1
         # the full gradient goes to the host (in the compute dtype) and is accumulated in fp32
@@ -408,16 +403,14 @@ class ZenFlowStep(StepBase):
             assert staleness <= bound, f"zenflow: weights {staleness} steps stale, bound {bound}"
         self.important = {self.plan.leaves[i].path: ix for i, ix in zip(self.mat, self.dev["idx"])}
         new_state = state.replace(step=state.step + 1, params=params)
-        out = self._metrics(metrics, lr, skip=False, finite=finite, staleness=staleness)
+        out = self._metrics(metrics, lr, staleness=staleness)
         self._report(new_state, out)
         return new_state, out
 
-    def _metrics(self, metrics, lr: float, skip: bool, finite: bool, staleness: Optional[int] = None) -> dict:
-        code = OK if finite or self.plan.config.precision != "fp32" else NON_FINITE
-        return {"loss": metrics["loss"], "grad_norm": metrics["grad_norm"], "learning_rate": jnp.float32(lr),
-                "loss_scale": jnp.float32(1.0), "skipped": jnp.asarray(skip), "error": jnp.int32(code),
-                "staleness": self.steps - self.reflected if staleness is None else staleness,
-                "host_updates": self.host_updates}
+    def _metrics(self, metrics, lr: float, staleness: Optional[int] = None) -> dict:
+        return step_metrics(self.plan.config, metrics["loss"], metrics["checked"], lr,
+                            staleness=self.steps - self.reflected if staleness is None else staleness,
+                            host_updates=self.host_updates)
 
     def finish(self, state: TrainState) -> TrainState:
         """Wait for the host, apply every accumulated gradient, and return the up-to-date state
@@ -439,4 +432,4 @@ class ZenFlowStep(StepBase):
             pass
 
 
-__all__ = ["ZenFlowStep", "zenflow_settings", "adamw_hyperparams", "AUTO_MAX_INTERVAL"]
+__all__ = ["ZenFlowStep", "zenflow_settings", "AUTO_MAX_INTERVAL"]

@@ -43,7 +43,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zerojax._compat import backends_are_initialized, distributed_is_initialized
-from zerojax.errors import DistributedError
+from zerojax.errors import BatchError, ConfigError, DistributedError
 from zerojax.mesh import DATA
 from zerojax.plan import path_str
 
@@ -309,10 +309,10 @@ def _check_processes(rows: int, signature: int, names: str) -> None:
         return
     per = ", ".join(f"process {i}: {int(r)} rows" for i, r in enumerate(every[:, 0]))
     if len(set(every[:, 1].tolist())) > 1:
-        raise ValueError(f"shard_batch: the processes' batches differ in leaves, trailing shapes or dtypes "
+        raise BatchError(f"shard_batch: the processes' batches differ in leaves, trailing shapes or dtypes "
                          f"(this process, {jax.process_index()}: {names}); {per}. Every process must build "
                          "the same batch structure.")
-    raise ValueError(f"shard_batch: the processes give different numbers of rows ({per}); every process must "
+    raise BatchError(f"shard_batch: the processes give different numbers of rows ({per}); every process must "
                      "give the same number (drop or pad the last, short batch on every process alike).")
 
 
@@ -327,29 +327,29 @@ def shard_batch(local_batch, mesh: Mesh, data_axis: str = DATA, *, check: bool =
         batch = zj.distributed.shard_batch({"tokens": tokens[rank::world]}, mesh)
     """
     if data_axis not in mesh.axis_names:
-        raise ValueError(f"shard_batch: the mesh has no axis {data_axis!r} (axes {mesh.axis_names}); "
+        raise ConfigError(f"shard_batch: the mesh has no axis {data_axis!r} (axes {mesh.axis_names}); "
                          "pass data_axis=")
     flat, treedef = jax.tree_util.tree_flatten_with_path(local_batch)
     if not flat:
-        raise ValueError("shard_batch: the batch has no arrays")
+        raise BatchError("shard_batch: the batch has no arrays")
     names = [path_str(p) or "<root>" for p, _ in flat]
     arrays = [np.asarray(x) for _, x in flat]
     for name, x in zip(names, arrays):
         if x.ndim == 0:
-            raise ValueError(f"shard_batch: batch leaf {name!r} is a scalar; every leaf needs a leading batch "
+            raise BatchError(f"shard_batch: batch leaf {name!r} is a scalar; every leaf needs a leading batch "
                              "dimension")
     rows = {name: x.shape[0] for name, x in zip(names, arrays)}
     if len(set(rows.values())) > 1:
         listing = ", ".join(f"{k}: {v}" for k, v in rows.items())
-        raise ValueError(f"shard_batch: the batch leaves' leading dimensions disagree ({listing}); every leaf "
+        raise BatchError(f"shard_batch: the batch leaves' leading dimensions disagree ({listing}); every leaf "
                          "needs the same number of rows")
     local_rows = arrays[0].shape[0]
     positions = _local_data_positions(mesh, data_axis)
     if not positions:
-        raise ValueError(f"shard_batch: process {jax.process_index()} has no device in the mesh; build the mesh "
+        raise ConfigError(f"shard_batch: process {jax.process_index()} has no device in the mesh; build the mesh "
                          "over every process's devices (zj.make_mesh())")
     if local_rows % len(positions):
-        raise ValueError(
+        raise BatchError(
             f"shard_batch: {local_rows} rows on process {jax.process_index()}, which holds {len(positions)} of "
             f"the mesh's {mesh.shape[data_axis]} {data_axis!r} shards: give each process a multiple of "
             f"{len(positions)} rows")

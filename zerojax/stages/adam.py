@@ -10,8 +10,8 @@ step size 0, and the gradient is replaced by zeros, so ``m' = m``, ``v' = v`` an
 arithmetic is optax's, term for term.
 
 It applies to the optimizers whose state and update it can prove it reproduces
-(:func:`adam_recipe`): ``optax.adam`` / ``optax.adamw`` with constant settings (read off
-by probing the transformation), and ``optax.inject_hyperparams`` of them, which is what
+(:func:`adam_recipe`): ``optax.adam`` / ``optax.adamw`` with constant settings (as the one
+recognition, :mod:`zerojax.update._recognize`, reads them), and ``optax.inject_hyperparams`` of them, which is what
 the DeepSpeed ``Adam``/``AdamW`` blocks build (settings and schedules read from the state
 each step). Each candidate is checked against its own ``tx.update`` on probe values,
 extreme ones included, before it is used; anything else keeps the general select path.
@@ -26,8 +26,17 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from zerojax.stages.gating import (agrees_with_optax, find_node, per_transformation, recognise, replace_node,
-                                   scalar_step, select_scalars, unzip_leaves, zero_unless)
+from zerojax.stages.gating import (
+    agrees_with_optax,
+    find_node,
+    per_transformation,
+    replace_node,
+    scalar_step,
+    select_scalars,
+    unzip_leaves,
+    zero_unless,
+)
+from zerojax.update._recognize import recognize
 
 __all__ = ["AdamRecipe", "adam_node", "adam_recipe", "gated_adam", "step_hyperparams"]
 
@@ -88,33 +97,6 @@ def gated_adam(recipe: AdamRecipe, tx, params, grads, opt_state, apply):
 # ------------------------------------------------------------------ recognising
 
 
-def _probe_constants(tx) -> Optional[dict]:
-    """Adam's settings of a bare chain, read off three probe elements after one update from zero
-    moments: there ``u = -lr (m̂ / (sqrt(v̂) + eps) + wd p)`` with ``m̂``, ``v̂`` computed here in
-    fp32 as optax computes them (bias correction rounding included)."""
-    t, big = 1e-8, 1e3
-    p = {"x": jnp.array([0.0, big, 0.0], jnp.float32)}
-    g = {"x": jnp.array([1.0, 1.0, t], jnp.float32)}
-    u, after = tx.update(g, tx.init(p), p)
-    node = adam_node(after)
-    b1 = 1.0 - float(node.mu["x"][0])
-    b2 = 1.0 - float(node.nu["x"][0])
-    one = jnp.int32(1)
-    mhat = np.asarray(node.mu["x"] / (1 - b1 ** one).astype(jnp.float32), np.float64)
-    root = np.sqrt(np.asarray(node.nu["x"] / (1 - b2 ** one).astype(jnp.float32), np.float64))
-    u = np.asarray(u["x"], np.float64)
-    if not np.all(np.isfinite(u)) or u[0] == 0 or u[2] == 0:
-        return None
-    r = u[2] / u[0]
-    eps = (mhat[2] * root[0] - r * mhat[0] * root[2]) / (r * mhat[0] - mhat[2])
-    lr = -u[0] / (mhat[0] / (root[0] + eps))
-    wd = (-u[1] / lr - mhat[1] / (root[1] + eps)) / big
-    # optax multiplies by these as fp32: the nearest fp32 is the user's number when the probe is
-    # within half an ulp of it (a weight decay that is not there reads as ~1e-19)
-    snap = lambda x: 0.0 if abs(x) < 1e-15 else float(np.float32(x))  # noqa: E731
-    return {"learning_rate": snap(lr), "b1": b1, "b2": b2, "eps": snap(eps), "weight_decay": snap(wd)}
-
-
 def _probes(shape=(6,)):
     """Probe states: ordinary values after four updates, and, at the first update, moments whose
     update is huge (a global clip or a trust ratio downstream of Adam shows)."""
@@ -146,6 +128,11 @@ def _verified(recipe: AdamRecipe, tx) -> bool:
 
 @per_transformation
 def adam_recipe(tx) -> Optional[AdamRecipe]:
-    """An :class:`AdamRecipe` when ``tx`` is an Adam/AdamW this module reproduces exactly (checked
-    on probes), else None (the caller keeps the general path). Remembered per transformation."""
-    return recognise(tx, adam_node, _probe_constants, _verified, AdamRecipe)
+    """An :class:`AdamRecipe` when ``tx`` is an Adam/AdamW (as :func:`zerojax.update._recognize.recognize`
+    finds it) that this pass reproduces exactly (checked on probes), else None (the caller keeps
+    the general path). Remembered per transformation."""
+    opt = recognize(tx)
+    if opt is None or opt.kind != "adam" or adam_node(tx.init({"x": jnp.zeros((6,), jnp.float32)})) is None:
+        return None
+    recipe = AdamRecipe(opt.constants)
+    return recipe if _verified(recipe, tx) else None

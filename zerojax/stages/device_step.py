@@ -11,7 +11,6 @@ Pallas kernel.
 """
 from __future__ import annotations
 
-import warnings
 from typing import Callable
 
 import jax
@@ -20,25 +19,29 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zerojax._compat import compute_on_host
-from zerojax.contract import METRIC_KEYS, NON_FINITE, OK, SCALE_AT_MIN, StepBase
-from zerojax.errors import HostUpdateWarning
+from zerojax.contract import METRIC_KEYS, StepBase
 from zerojax.kernels.fused_update import fused_adamw_update
 from zerojax.low_precision import update_key
 from zerojax.offload.host_update import host_apply_fn, native_host_apply_fn
 from zerojax.offload.partial import check_split
 from zerojax.plan import DEVICE, ZeroPlan
-from zerojax.precision import global_norm, step_is_finite
 from zerojax.stages.adam import adam_recipe
 from zerojax.stages.gated import gated_update, plan_recipe
 from zerojax.stages.gradients import grads_fn
-from zerojax.stages.update import clip_coefficient, find_learning_rate, master_view, optax_update, params_from_master
+from zerojax.stages.update import master_view, optax_update, params_from_master
 from zerojax.state import TrainState, state_shardings
+from zerojax.update._pipeline import (
+    check_gradients,
+    host_or_device,
+    learning_rate,
+    next_loss_scale,
+    step_metrics,
+)
 
 
 def _update_fn(loss_fn: Callable, plan: ZeroPlan, tx, has_aux: bool, fused_adam: bool = False,
                fused_block: int = 4096):
     cfg = plan.config
-    scaler = cfg.loss_scaler
     fp16 = cfg.precision == "fp16"
     compute_grads = grads_fn(loss_fn, plan, has_aux)
     homes = state_shardings(plan, tx)
@@ -118,45 +121,23 @@ def _update_fn(loss_fn: Callable, plan: ZeroPlan, tx, has_aux: bool, fused_adam:
         state = state.replace(params=plan.map(
             lambda lay, x, s: x if lay.params_partitioned else plan.fetch(x, s), state.params, homes.params))
         scaled, loss = compute_grads(state.params, batch, scale, rng)
-        grads = jax.tree_util.tree_map(lambda g: g / scale, scaled)
-        norm = global_norm(grads)
-        finite = step_is_finite(norm, loss)
-        coef = clip_coefficient(norm, cfg.gradient_clipping)
-        skip = ~finite
-        if cfg.precision == "bf16" and not cfg.check_grad_overflow:
-            skip = jnp.asarray(False)
-        done = None
+        checked = check_gradients(cfg, scaled, loss, scale)
+        grads, coef, skip = checked.grads, checked.coef, checked.skip
+        def device():
+            return on_device(state, jax.tree_util.tree_map(lambda g: g / coef, grads), skip, key)
+
         if host_apply is not None:
-            try:
-                done = on_host(state, scaled, grads, scale, coef, skip, key)
-            except ValueError as e:  # raised while tracing, before anything runs
-                # whatever the cause: the device path below traces the same tx.update, so an
-                # error of the optimizer's own is raised there again, not lost
-                warnings.warn(
-                    f"offload_optimizer='cpu': this optimizer's update cannot be traced for the host ({e}); "
-                    "its state stays in host memory between steps and is updated on the device instead. "
-                    "optax.adam/adamw/sgd/lion (and the DeepSpeed Adam/AdamW configs) update on the host.",
-                    HostUpdateWarning, stacklevel=2)
-        if done is None:
-            done = on_device(state, jax.tree_util.tree_map(lambda g: g / coef, grads), skip, key)
+            done = host_or_device(lambda: on_host(state, scaled, grads, scale, coef, skip, key), device,
+                                  "offload_optimizer='cpu'")
+        else:
+            done = device()
         params, master, opt_state = done
         params = plan.put_back(params, homes.params)
-        loss_scale = scaler.update(state.loss_scale, ~finite) if fp16 else state.loss_scale
-        error = jnp.int32(OK)
-        if fp16:
-            error = jnp.where(loss_scale.at_minimum & ~state.loss_scale.at_minimum, SCALE_AT_MIN, OK)
-        elif cfg.precision == "fp32":
-            error = jnp.where(finite, OK, NON_FINITE)
+        loss_scale = next_loss_scale(cfg, state.loss_scale, checked.finite)
         new_state = state.replace(step=state.step + 1, params=params, master=master, opt_state=opt_state,
                                   loss_scale=loss_scale)
-        metrics = {
-            "loss": loss,
-            "grad_norm": norm,
-            "learning_rate": jax.device_put(find_learning_rate(opt_state), NamedSharding(plan.mesh, P())),
-            "loss_scale": scale,
-            "skipped": skip,
-            "error": error,
-        }
+        lr = jax.device_put(learning_rate(opt_state), NamedSharding(plan.mesh, P()))
+        metrics = step_metrics(cfg, loss, checked, lr, scale, state.loss_scale, loss_scale)
         return new_state, metrics
 
     return train_step

@@ -1,7 +1,7 @@
 """What the gated update passes share (:mod:`zerojax.stages.adam`, :mod:`zerojax.stages.momentum`):
 finding the one stateful transformation of a chain, bare or injected; advancing its scalars
 (counts, hyperparameters, schedules) on an applied step only; the gradient zeroed on a skipped
-one; and recognising an optimizer by checking a pass against its own ``tx.update``.
+one; and checking a pass against the optimizer's own ``tx.update``.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import optax
 
 from zerojax._compat import same_memory_space
 
-__all__ = ["agrees_with_optax", "find_node", "per_transformation", "recognise", "replace_node", "scalar_step",
+__all__ = ["agrees_with_optax", "find_node", "per_transformation", "replace_node", "scalar_step",
            "select_scalars", "unzip_leaves", "zero_unless"]
 
 
@@ -86,24 +86,6 @@ def agrees_with_optax(tx, gated, params, grads, state) -> bool:
         if a.shape != b.shape or not np.allclose(a, b, rtol=1e-6, atol=0):
             return False
     return True
-
-
-def recognise(tx, node_of, probe_constants, verified, make):
-    """``make(constants)`` when ``tx``'s state has the node ``node_of`` finds and the pass it
-    makes passes ``verified``, else None. ``constants`` are None for an injected state (its
-    settings are read each step), else ``probe_constants(tx)`` (None: not recognised)."""
-    try:
-        state = tx.init({"x": jnp.zeros((6,), jnp.float32)})
-        if node_of(state) is None:
-            return None
-        injected = getattr(state, "hyperparams", None) is not None
-        constants = None if injected else probe_constants(tx)
-        if not injected and constants is None:
-            return None
-        recipe = make(constants)
-        return recipe if verified(recipe, tx) else None
-    except Exception:  # noqa: BLE001 - an optimizer the probes cannot drive keeps the general path
-        return None
 
 
 def per_transformation(fn):

@@ -2,7 +2,8 @@
 :mod:`zerojax.stages.adam`): on a skipped step the momentum becomes 1, the gradient zeros and
 the step size 0, so the trace and the params stay exactly as they were.
 
-For ``optax.sgd(lr, momentum)`` with constant settings (read off by probing) and
+For ``optax.sgd(lr, momentum)`` with constant settings (as :mod:`zerojax.update._recognize`
+reads them) and
 ``optax.inject_hyperparams(optax.sgd)``; each is checked against its own ``tx.update`` first.
 Nesterov momentum, weight decay chains and schedules outside ``inject_hyperparams`` keep the
 general select path.
@@ -17,8 +18,17 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from zerojax.stages.gating import (agrees_with_optax, find_node, per_transformation, recognise, replace_node,
-                                   scalar_step, select_scalars, unzip_leaves, zero_unless)
+from zerojax.stages.gating import (
+    agrees_with_optax,
+    find_node,
+    per_transformation,
+    replace_node,
+    scalar_step,
+    select_scalars,
+    unzip_leaves,
+    zero_unless,
+)
+from zerojax.update._recognize import recognize
 
 __all__ = ["MomentumRecipe", "gated_momentum", "momentum_recipe"]
 
@@ -55,18 +65,6 @@ def gated_momentum(recipe: MomentumRecipe, tx, params, grads, opt_state, apply):
     return new_p, replace_node(scalars, _node(scalars)._replace(trace=trace))
 
 
-def _probe_constants(tx) -> Optional[dict]:
-    """lr and momentum of a bare chain from one update: ``g = [1, 0]`` on a trace ``[0, 1]``
-    gives the trace ``[1, momentum]`` and the updates ``-lr`` times it."""
-    p = {"x": jnp.zeros((2,), jnp.float32)}
-    state = tx.init(p)
-    state = replace_node(state, _node(state)._replace(trace={"x": jnp.array([0.0, 1.0], jnp.float32)}))
-    u, after = tx.update({"x": jnp.array([1.0, 0.0], jnp.float32)}, state, p)
-    trace = np.asarray(_node(after).trace["x"], np.float64)
-    lr = -float(np.asarray(u["x"], np.float64)[0]) / trace[0]
-    return {"learning_rate": float(np.float32(lr)), "momentum": float(np.float32(trace[1]))}
-
-
 def _verified(recipe: MomentumRecipe, tx) -> bool:
     rng = np.random.default_rng(0)
     for scale in (1.0, 1e-10):  # ordinary, and gradients that vanish next to the trace
@@ -86,4 +84,10 @@ def _verified(recipe: MomentumRecipe, tx) -> bool:
 def momentum_recipe(tx) -> Optional[MomentumRecipe]:
     """A :class:`MomentumRecipe` when ``tx`` is an SGD with momentum this module reproduces
     exactly (checked on probes), else None."""
-    return recognise(tx, _node, _probe_constants, _verified, MomentumRecipe)
+    opt = recognize(tx)
+    if opt is None or opt.kind != "sgd" or opt.nesterov or not opt.slots:
+        return None
+    if _node(tx.init({"x": jnp.zeros((6,), jnp.float32)})) is None:
+        return None
+    recipe = MomentumRecipe(opt.constants)
+    return recipe if _verified(recipe, tx) else None

@@ -21,13 +21,15 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from zerojax.errors import ConfigError
+
 BITS = (4, 8)
 
 
 def qmax(bits: int) -> int:
     """The largest integer magnitude of ``bits``-bit symmetric quantization (127 or 7)."""
     if bits not in BITS:
-        raise ValueError(f"quantization bits must be one of {BITS}, got {bits!r}")
+        raise ConfigError(f"quantization bits must be one of {BITS}, got {bits!r}")
     return 2 ** (bits - 1) - 1
 
 

@@ -3,8 +3,7 @@
 After the reduction each device holds the gradient of its 1/N of the state (stages 1–3);
 ``optax_update`` runs the user's optax transformation on the logical shapes of that
 partition, and ``params_from_master`` all-gathers the updated 16-bit params once where
-they are stored whole (the Ψ of stages 1–2). DeepSpeed's clipping coefficient and the
-learning-rate read-out live here too.
+they are stored whole (the Ψ of stages 1–2).
 """
 from __future__ import annotations
 
@@ -17,24 +16,7 @@ from zerojax.plan import ZeroPlan
 from zerojax.stages import collectives as C
 from zerojax.state import TrainState
 
-__all__ = ["clip_coefficient", "find_hyperparams", "find_learning_rate", "master_view", "optax_update",
-           "params_from_master"]
-
-def find_hyperparams(opt_state):
-    """The first ``optax.inject_hyperparams`` record (with a learning rate) in ``opt_state``, else None."""
-    hp = getattr(opt_state, "hyperparams", None)
-    if isinstance(hp, dict) and "learning_rate" in hp:
-        return hp
-    children = opt_state if isinstance(opt_state, (tuple, list)) else (
-        opt_state.values() if isinstance(opt_state, dict) else ())
-    return next((found for found in map(find_hyperparams, children) if found is not None), None)
-
-
-def find_learning_rate(opt_state):
-    """The learning rate recorded by ``optax.inject_hyperparams`` in ``opt_state``, else nan."""
-    hp = find_hyperparams(opt_state)
-    return jnp.float32(jnp.nan) if hp is None else jnp.asarray(hp["learning_rate"], jnp.float32)
-
+__all__ = ["master_view", "optax_update", "params_from_master"]
 
 def _split_not_stored_split(plan: ZeroPlan):
     return lambda lay: plan.opt_partitioned(lay) and not lay.params_partitioned
@@ -53,13 +35,6 @@ def params_from_master(plan: ZeroPlan, master):
     storage layout. Leaves stored whole but updated in partitions are all-gathered once, in
     the compute dtype (the Ψ of stages 1–2)."""
     return C.gather_tree(plan, master, _split_not_stored_split(plan), dtype=plan.compute_dtype)
-
-
-def clip_coefficient(norm, clip: float):
-    """DeepSpeed's: max(1, (norm + 1e-6) / clip); gradients are divided by it."""
-    if not clip:
-        return jnp.float32(1.0)
-    return jnp.maximum(jnp.float32(1.0), (norm + 1e-6) / clip)
 
 
 def optax_update(plan: ZeroPlan, tx, master, grads, opt_state, key=None):

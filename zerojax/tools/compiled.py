@@ -28,6 +28,7 @@ from typing import Dict, Optional
 
 import numpy as np
 
+from zerojax.errors import ConfigError
 from zerojax.stages.reuse import kept_leaves
 from zerojax.stages.zeropp import node_size as plan_node_size
 
@@ -244,7 +245,7 @@ class CommReport:
         them); ``sent``: what a device sends in a ring over its group, ``(g - 1) / g`` of it."""
         kinds = (kind,) if isinstance(kind, str) else kind
         if span is not None and span not in SPANS:
-            raise ValueError(f"span must be one of {SPANS} or None, got {span!r}")
+            raise ConfigError(f"span must be one of {SPANS} or None, got {span!r}")
         total = 0.0
         for (k, sp), v in self.spans.items():
             if (kinds is not None and k not in kinds) or (span is not None and sp != span):

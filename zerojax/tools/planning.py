@@ -43,14 +43,20 @@ import jax
 import numpy as np
 
 from zerojax.config import ZeroConfig
-from zerojax.errors import ConfigError
+from zerojax.errors import ConfigError, ZeroJaxError
 from zerojax.mesh import make_mesh
 from zerojax.models import gpt
 from zerojax.models.gpt import GPTConfig
+from zerojax.stages.zeropp import node_size
 from zerojax.state import abstract_train_state
 from zerojax.step import make_train_step
-from zerojax.stages.zeropp import node_size
-from zerojax.tools.compiled import CommReport, PeakMemory, collectives, node_map, theory_elements
+from zerojax.tools.compiled import (
+    CommReport,
+    PeakMemory,
+    collectives,
+    node_map,
+    theory_elements,
+)
 from zerojax.tools.estimate import estimate
 
 _STDERR_TAIL = 4000
@@ -300,11 +306,11 @@ def _plan_in_child(request: dict, n: int, timeout: Optional[float]) -> StepPlan:
                                   text=True, timeout=timeout)
         except subprocess.TimeoutExpired as e:
             tail = ((e.stderr or b"").decode() if isinstance(e.stderr, bytes) else (e.stderr or ""))[-_STDERR_TAIL:]
-            raise RuntimeError(f"plan_step's child process (simulating {n} CPU devices) ran past timeout={timeout}s."
+            raise ZeroJaxError(f"plan_step's child process (simulating {n} CPU devices) ran past timeout={timeout}s."
                                f"\n{tail}") from None
         if proc.returncode != 0 or not os.path.exists(out):
             tail = (proc.stderr or proc.stdout or "(no output)")[-_STDERR_TAIL:]
-            raise RuntimeError(_CHILD_FAILED.format(n=n, rc=proc.returncode, tail=tail))
+            raise ZeroJaxError(_CHILD_FAILED.format(n=n, rc=proc.returncode, tail=tail))
         with open(out, "rb") as f:
             fields = pickle.load(f)
     if isinstance(fields.get("comm"), dict):  # dataclasses.asdict flattened it for the trip
@@ -317,7 +323,7 @@ def _child_main(request_path: str, out_path: str) -> None:
         r = pickle.load(f)
     n = math.prod(r["axes"].values())
     if len(jax.devices()) < n:  # pragma: no cover - the parent set the device count
-        raise RuntimeError(f"child has {len(jax.devices())} devices, needs {n}; XLA_FLAGS={os.environ.get('XLA_FLAGS')}")
+        raise ZeroJaxError(f"child has {len(jax.devices())} devices, needs {n}; XLA_FLAGS={os.environ.get('XLA_FLAGS')}")
     plan = _plan_here(r["init_fn"], r["loss_fn"], r["batch"], r["axes"], r["config"], r["tx"], r["param_specs"],
                       r["has_aux"], True)
     with open(out_path, "wb") as f:

@@ -23,8 +23,16 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 from jax.sharding import NamedSharding
 
-from zerojax.tools.estimate import Stored, mesh_device_ids, memory_kind, plan_arrays, shard_bytes, state_arrays
+from zerojax.errors import ConfigError
 from zerojax.plan import ZeroPlan
+from zerojax.tools.estimate import (
+    Stored,
+    memory_kind,
+    mesh_device_ids,
+    plan_arrays,
+    shard_bytes,
+    state_arrays,
+)
 
 HERE, ELSEWHERE, HOST = "█", "·", "H"
 LEGEND = (f"{HERE} stored on this device   {ELSEWHERE} held by other devices only   "
@@ -136,15 +144,15 @@ def visualize(state_or_plan, tx=None, *, width: int = 16, max_devices: Optional[
     """
     plan = getattr(state_or_plan, "plan", state_or_plan)
     if not isinstance(plan, ZeroPlan):
-        raise TypeError(f"visualize(state_or_plan={type(state_or_plan).__name__}): pass a zj.TrainState "
+        raise ConfigError(f"visualize(state_or_plan={type(state_or_plan).__name__}): pass a zj.TrainState "
                         "(from zj.shard_train_state) or a zj.ZeroPlan (ZeroPlan.create(params, mesh, config))")
     if not isinstance(width, int) or width < 1:
-        raise ValueError(f"width={width!r} must be a positive int, e.g. width=32")
+        raise ConfigError(f"width={width!r} must be a positive int, e.g. width=32")
     if plan is state_or_plan:
         parts = plan_arrays(plan, tx)
     else:
         if tx is not None:
-            raise ValueError("tx is only for a ZeroPlan; a TrainState already holds its optimizer state")
+            raise ConfigError("tx is only for a ZeroPlan; a TrainState already holds its optimizer state")
         parts = state_arrays(state_or_plan)
     mesh = plan.mesh
     columns = [_Column(parts["params"], mesh, plan.data_axis), _Column(grad_arrays(plan), mesh, plan.data_axis),

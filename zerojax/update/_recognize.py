@@ -1,0 +1,409 @@
+"""What an optax transformation is, decided once for every backend.
+
+``recognize(tx)`` returns an :class:`Optimizer` when ``tx`` is one of the element-wise
+optimizers zerojax can run outside optax's own ``update`` (on the host, over files, in a
+gated pass or a fused kernel):
+
+* ``"adam"``: ``optax.adam`` / ``optax.adamw`` (any bias-corrected ``scale_by_adam``
+  followed by decoupled weight decay and the learning rate);
+* ``"sgd"``: ``optax.sgd`` with or without momentum, Nesterov or not;
+* ``"lion"``: ``optax.lion``.
+
+Each either has constant settings, read off by probing the transformation, or is
+``optax.inject_hyperparams`` of one (settings and schedules read from its state each
+step). Whatever the candidate, its update is checked against ``tx.update`` on probe values
+(ordinary and extreme ones: a global clip or a trust ratio downstream shows there) with
+:func:`rule`, the one element-wise statement of each optimizer; anything that does not
+agree to 1e-6 is not recognised. A backend that needs a recognised optimizer refuses the
+rest with :func:`refuse`, naming the optimizer and the path: no backend runs one
+optimizer in place of another.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from zerojax.errors import OptimizerError
+
+__all__ = ["Optimizer", "StepSettings", "describe", "direction", "node_of", "recognize", "refuse", "rule", "settings_of",
+           "with_node"]
+
+# the state node of each kind's stateful transformation and the moments it holds
+_NODES = {"adam": (optax.ScaleByAdamState, ("mu", "nu")), "sgd": (optax.TraceState, ("trace",)),
+          "lion": (optax.ScaleByLionState, ("mu",))}
+_DEFAULTS = {"adam": {"b1": 0.9, "b2": 0.999, "eps": 1e-8, "eps_root": 0.0, "weight_decay": 0.0},
+             "sgd": {"momentum": 0.0},
+             "lion": {"b1": 0.9, "b2": 0.99, "weight_decay": 0.0}}
+
+
+@dataclass(frozen=True)
+class Optimizer:
+    """A recognised optimizer: its ``kind``, whether its settings are ``injected`` (read from
+    the state each step) or ``constants``, the per-element state it keeps (``slots``: ``mu``,
+    ``nu`` for Adam; ``trace`` for SGD with momentum; ``mu`` for Lion) and, for SGD, whether
+    the momentum is Nesterov's."""
+    kind: str
+    constants: Optional[dict] = field(default=None, compare=False)
+    injected: bool = False
+    nesterov: bool = False
+    slots: tuple = ()
+
+    @property
+    def name(self) -> str:
+        base = {"adam": "Adam/AdamW", "sgd": "SGD", "lion": "Lion"}[self.kind]
+        if self.kind == "sgd" and self.slots:
+            base += " with Nesterov momentum" if self.nesterov else " with momentum"
+        return ("injected " if self.injected else "") + base
+
+
+# ------------------------------------------------------------------ the element-wise rule
+
+
+def rule(opt: Optimizer, hp: dict, count, p, g, slots, xp=jnp):
+    """One update of ``opt`` with settings ``hp`` (see :meth:`StepSettings.peek`), element-wise
+    on arrays of one shape: ``(new_p, new_slots)``. ``count`` is the 1-based number of this
+    applied update (Adam's bias correction); ``xp`` is ``jax.numpy`` or ``numpy`` (the host
+    paths). The arithmetic is optax's, term for term: settings stay the Python floats (constant
+    settings) or fp32 scalars (injected ones) optax computes with."""
+    lr = hp["learning_rate"]
+    if opt.kind == "adam":
+        b1, b2, eps, eps_root, wd = (hp[k] for k in ("b1", "b2", "eps", "eps_root", "weight_decay"))
+        m, v = slots
+        m = (1 - b1) * g + b1 * m
+        v = (1 - b2) * (g * g) + b2 * v
+        n = xp.asarray(count, xp.int32)  # a float setting to the power of an int32 count, as optax
+        u = (m / (1 - b1 ** n).astype(m.dtype)) / (xp.sqrt(v / (1 - b2 ** n).astype(v.dtype) + eps_root) + eps)
+        if wd:
+            u = u + wd * p
+        return p + (-lr) * u, (m, v)
+    if opt.kind == "lion":
+        b1, b2, wd = hp["b1"], hp["b2"], hp["weight_decay"]
+        (m,) = slots
+        u = xp.sign((1 - b1) * g + b1 * m)
+        m = (1 - b2) * g + b2 * m
+        if wd:
+            u = u + wd * p
+        return p + (-lr) * u, (m,)
+    if not slots:  # plain SGD
+        return p + (-lr) * g, ()
+    (t,) = slots
+    mom = hp["momentum"]
+    t = g + mom * t
+    u = g + mom * t if opt.nesterov else t
+    return p + (-lr) * u, (t,)
+
+
+# ------------------------------------------------------------------ finding the node
+
+
+def _is_empty(x) -> bool:
+    return isinstance(x, optax.EmptyState)
+
+
+def _inner(opt_state):
+    """(inner chain state, injected hyperparams or None)."""
+    hp = getattr(opt_state, "hyperparams", None)
+    if hp is not None and hasattr(opt_state, "inner_state"):
+        return opt_state.inner_state, hp
+    return opt_state, None
+
+
+def _node_kind(chain):
+    """The kind whose node heads ``chain`` with only stateless transformations after it, ("sgd",
+    None) for a chain of stateless ones only, else None."""
+    if not isinstance(chain, tuple) or not chain:
+        return None
+    if all(map(_is_empty, chain)):
+        return "sgd", None
+    if not all(map(_is_empty, chain[1:])):
+        return None
+    for kind, (cls, _) in _NODES.items():
+        if isinstance(chain[0], cls):
+            return kind, chain[0]
+    return None
+
+
+def node_of(opt_state, kind: str):
+    """The state node of ``kind`` in ``opt_state`` (bare chain or injected), else None."""
+    chain, _ = _inner(opt_state)
+    found = _node_kind(chain)
+    return found[1] if found is not None and found[0] == kind else None
+
+
+def with_node(opt_state, node):
+    """``opt_state`` with its chain's first state replaced by ``node``."""
+    chain, hp = _inner(opt_state)
+    chain = (node,) + tuple(chain[1:])
+    return opt_state._replace(inner_state=chain) if hp is not None else chain
+
+
+# ------------------------------------------------------------------ settings
+
+
+def settings_of(opt: Optimizer, hp) -> dict:
+    """The full settings of one step: the constants, or the injected ``hp`` with optax's
+    defaults for what it does not inject."""
+    if not opt.injected:
+        return dict(opt.constants)
+    out = dict(_DEFAULTS[opt.kind])
+    for k, v in hp.items():
+        if k in out or k == "learning_rate":
+            out[k] = v
+    out.setdefault("learning_rate", hp["learning_rate"])
+    if opt.kind == "sgd" and out.get("momentum") is None:
+        out["momentum"] = 0.0
+    return out
+
+
+def _scalars(hp) -> dict:
+    """The numeric scalars of injected hyperparameters, as the fp32 numpy scalars optax holds."""
+    out = {}
+    for k, v in hp.items():
+        a = np.asarray(v)
+        if a.ndim == 0 and np.issubdtype(a.dtype, np.number):
+            out[k] = a[()]
+    return out
+
+
+class StepSettings:
+    """The settings each applied step of a recognised ``tx`` uses, on the host: the constants,
+    or the injected hyperparameters followed through a one-element shadow of its state
+    (schedules advance once per applied step, as optax's count does)."""
+
+    def __init__(self, tx, opt: Optimizer):
+        self.opt = opt
+        self._ahead = None
+        self._shadow = None
+        if opt.injected:
+            zero = jnp.zeros((1,), jnp.float32)
+            self._shadow = tx.init(zero)
+            self._advance = jax.jit(lambda s: tx.update(zero, s, zero)[1])
+
+    def peek(self) -> dict:
+        """The settings of the next applied step (a skipped step leaves them where they were)."""
+        if self._shadow is None:
+            return dict(self.opt.constants)
+        if self._ahead is None:
+            self._ahead = self._advance(self._shadow)
+        return settings_of(self.opt, _scalars(self._ahead.hyperparams))
+
+    def next(self) -> dict:
+        """This step's settings; advances the schedule by one applied step."""
+        hp = self.peek()
+        if self._shadow is not None:
+            self._shadow, self._ahead = self._ahead, None
+        return hp
+
+
+# ------------------------------------------------------------------ probing constant settings
+
+
+def _probe_adam(tx) -> Optional[dict]:
+    t, big = 1e-8, 1e3
+    p = {"x": jnp.array([0.0, big, 0.0], jnp.float32)}
+    g = {"x": jnp.array([1.0, 1.0, t], jnp.float32)}
+    u, after = tx.update(g, tx.init(p), p)
+    node = node_of(after, "adam")
+    b1 = 1.0 - float(node.mu["x"][0])
+    b2 = 1.0 - float(node.nu["x"][0])
+    one = jnp.int32(1)  # the bias corrections as optax computes them, in fp32
+    mhat = np.asarray(node.mu["x"] / (1 - b1 ** one).astype(jnp.float32), np.float64)
+    root = np.sqrt(np.asarray(node.nu["x"] / (1 - b2 ** one).astype(jnp.float32), np.float64))
+    u = np.asarray(u["x"], np.float64)
+    if not np.all(np.isfinite(u)) or u[0] == 0 or u[2] == 0:
+        return None
+    r = u[2] / u[0]
+    eps = (mhat[2] * root[0] - r * mhat[0] * root[2]) / (r * mhat[0] - mhat[2])
+    lr = -u[0] / (mhat[0] / (root[0] + eps))
+    wd = (-u[1] / lr - mhat[1] / (root[1] + eps)) / big
+    return {"learning_rate": _snap(lr), "b1": b1, "b2": b2, "eps": _snap(eps), "eps_root": 0.0,
+            "weight_decay": _snap(wd)}
+
+
+def _snap(x: float) -> float:
+    # optax multiplies by these as fp32: the nearest fp32 is the user's number when the probe is
+    # within half an ulp of it (a weight decay that is not there reads as ~1e-19)
+    return 0.0 if abs(x) < 1e-15 else float(np.float32(x))
+
+
+def _probe_sgd(tx) -> Optional[dict]:
+    p = {"x": jnp.zeros((2,), jnp.float32)}
+    state = tx.init(p)
+    node = node_of(state, "sgd")
+    if node is None:  # plain SGD: u = -lr g
+        u, _ = tx.update({"x": jnp.array([1.0, 2.0], jnp.float32)}, state, p)
+        return {"learning_rate": _snap(-float(u["x"][0])), "momentum": 0.0}
+    # trace [0, 1], gradient [1, 0]: the new trace is [1, m]; the update is -lr [1, m], or with
+    # Nesterov's momentum -lr [1 + m, m^2]
+    state = with_node(state, node._replace(trace={"x": jnp.array([0.0, 1.0], jnp.float32)}))
+    u, after = tx.update({"x": jnp.array([1.0, 0.0], jnp.float32)}, state, p)
+    m = float(np.asarray(node_of(after, "sgd").trace["x"], np.float64)[1])
+    u = np.asarray(u["x"], np.float64)
+    if u[0] == 0:
+        return None
+    nesterov = m != 0 and abs(u[1] / u[0] - m) > abs(u[1] / u[0] - m * m / (1 + m))
+    lr = -u[0] / (1 + m) if nesterov else -u[0]
+    return {"learning_rate": _snap(lr), "momentum": float(np.float32(m)), "nesterov": nesterov}
+
+
+def _probe_lion(tx) -> Optional[dict]:
+    p = {"x": jnp.array([0.0, 1e3], jnp.float32)}
+    u, after = tx.update({"x": jnp.array([1.0, 1.0], jnp.float32)}, tx.init(p), p)
+    b2 = 1.0 - float(node_of(after, "lion").mu["x"][0])
+    u = np.asarray(u["x"], np.float64)
+    lr = -u[0]
+    if lr == 0:
+        return None
+    wd = (-u[1] / lr - 1.0) / 1e3
+    # b1 enters through a sign only: find where sign((1 - b1) g + b1 m) flips for m = 1, g = -x,
+    # x = b1 / (1 - b1), narrowing a grid of candidates four times
+    lo, hi = 0.0, 1.0
+    for _ in range(4):
+        b1s = np.linspace(lo, hi, 65)[1:-1]
+        xs = b1s / (1 - b1s)
+        n = len(xs)
+        q = {"x": jnp.zeros((n,), jnp.float32)}
+        st = tx.init(q)
+        st = with_node(st, node_of(st, "lion")._replace(mu={"x": jnp.ones((n,), jnp.float32)}))
+        uu, _ = tx.update({"x": jnp.asarray(-xs, jnp.float32)}, st, q)
+        pos = np.asarray(uu["x"]) < 0  # sign(c) > 0 -> update -lr: b1 > candidate's
+        k = int(pos.sum())  # candidates below b1
+        lo, hi = (b1s[k - 1] if k else lo), (b1s[k] if k < n else hi)
+    return {"learning_rate": _snap(lr), "b1": float(np.float32((lo + hi) / 2)), "b2": b2,
+            "weight_decay": _snap(wd)}
+
+
+_PROBES = {"adam": _probe_adam, "sgd": _probe_sgd, "lion": _probe_lion}
+
+
+# ------------------------------------------------------------------ verification
+
+
+def _probe_values(kind, slots, shape=(6,)):
+    rng = np.random.default_rng(0)
+    ordinary = [rng.normal(size=shape) * 1e-5, rng.normal(size=shape)]
+    ordinary += [rng.normal(size=shape) * 0.1 if s != "nu" else rng.random(shape) * 0.01 + 1e-4 for s in slots]
+    extreme = [rng.normal(size=shape) * 1e-5, rng.normal(size=shape) * 1e-10]
+    extreme += [np.full(shape, 1.0) if s != "nu" else np.full(shape, 1e-20) for s in slots]
+    huge = [rng.normal(size=shape), rng.normal(size=shape) * 1e4] + [rng.normal(size=shape) for _ in slots]
+    for count, values in ((4, ordinary), (0, extreme), (1, huge)):
+        yield count, [jnp.asarray(np.abs(a) if s == "nu" else a, jnp.float32)
+                      for s, a in zip(("p", "g") + tuple(slots), values)]
+
+
+def _close(a, b) -> bool:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return a.shape == b.shape and bool(np.allclose(a, b, rtol=1e-6, atol=0))
+
+
+def _verified(opt: Optimizer, tx) -> bool:
+    slots = opt.slots
+    for count, (p, g, *moments) in _probe_values(opt.kind, slots):
+        state = tx.init({"x": p})
+        node = node_of(state, opt.kind) if slots else None
+        if slots:
+            if node is None or any(getattr(node, s)["x"].dtype != jnp.float32 for s in slots):
+                return False
+            repl = {s: {"x": m} for s, m in zip(slots, moments)}
+            if "count" in node._fields:
+                repl["count"] = jnp.asarray(count, node.count.dtype)
+            state = with_node(state, node._replace(**repl))
+        if getattr(state, "hyperparams", None) is not None and "count" in state._fields:
+            state = state._replace(count=jnp.asarray(count, state.count.dtype))
+        u, after = tx.update({"x": g}, state, {"x": p})
+        hp = settings_of(opt, _scalars(getattr(after, "hyperparams", {})))
+        new_p, new_slots = rule(opt, hp, count + 1, p, g, tuple(moments))
+        if not _close(optax.apply_updates({"x": p}, u)["x"], new_p):
+            return False
+        after_node = node_of(after, opt.kind) if slots else None
+        if any(not _close(getattr(after_node, s)["x"], m) for s, m in zip(slots, new_slots)):
+            return False
+    return True
+
+
+def _candidates(tx):
+    state = tx.init({"x": jnp.zeros((6,), jnp.float32)})
+    chain, hp = _inner(state)
+    found = _node_kind(chain)
+    if found is None:
+        return
+    kind, node = found
+    injected = hp is not None
+    if injected and not (isinstance(hp, dict) and "learning_rate" in hp):
+        return
+    slots = _NODES[kind][1] if node is not None else ()
+    constants = None if injected else _PROBES[kind](tx)
+    if not injected and constants is None:
+        return
+    if constants is not None and "nesterov" in constants:
+        nesterovs = (constants.pop("nesterov"),)
+    else:
+        nesterovs = (False, True) if kind == "sgd" and node is not None else (False,)
+    for nesterov in nesterovs:
+        yield Optimizer(kind, constants, injected, nesterov, slots)
+
+
+def _recognize(tx) -> Optional[Optimizer]:
+    try:
+        for opt in _candidates(tx):
+            if _verified(opt, tx):
+                return opt
+    except Exception:  # noqa: BLE001 - an optimizer the probes cannot drive is not recognised
+        return None
+    return None
+
+
+_cache = functools.lru_cache(maxsize=256)(_recognize)
+
+
+def recognize(tx) -> Optional[Optimizer]:
+    """The :class:`Optimizer` ``tx`` is (checked against its own update), else None.
+    Remembered per transformation."""
+    try:
+        return _cache(tx)
+    except TypeError:  # an unhashable transformation is probed each time
+        return _recognize(tx)
+
+
+def describe(tx) -> str:
+    """A name for ``tx`` in messages: the recognised optimizer, else its state's structure."""
+    opt = recognize(tx)
+    if opt is not None:
+        return opt.name
+    try:
+        state = tx.init({"x": jnp.zeros((2,), jnp.float32)})
+    except Exception:  # noqa: BLE001
+        return type(tx).__name__
+    names = [type(x).__name__ for x in jax.tree_util.tree_leaves(
+        state, is_leaf=lambda x: isinstance(x, tuple) and hasattr(x, "_fields"))]
+    inner = ", ".join(dict.fromkeys(n for n in names if n not in ("EmptyState", "ndarray", "ArrayImpl")))
+    return f"an optimizer with state ({inner or 'none'})"
+
+
+def refuse(tx, path: str, supported: str = "Adam/AdamW, SGD (momentum, Nesterov) and Lion") -> OptimizerError:
+    """The error for a ``tx`` the ``path`` cannot run: names both and what it runs."""
+    return OptimizerError(
+        f"{path} runs the optimizer update outside optax and reproduces {supported} (plain, or "
+        f"optax.inject_hyperparams of them) exactly; the given optimizer is {describe(tx)}, which it does "
+        "not reproduce (a decay mask, a schedule outside inject_hyperparams, a chained clip or another "
+        "optimizer). Fix: use one of those, or train on the device path (no NVMe offload / ZenFlow) where "
+        "every optax optimizer runs.")
+
+
+def direction(opt: Optimizer, hp: dict) -> optax.GradientTransformation:
+    """``opt`` without its learning rate, with the settings ``hp``: the update direction, for an
+    engine that applies each step's learning rate itself (ZenFlow's device side)."""
+    if opt.kind == "adam":
+        return optax.chain(optax.scale_by_adam(hp["b1"], hp["b2"], hp["eps"], hp["eps_root"]),
+                           optax.add_decayed_weights(hp["weight_decay"]))
+    if opt.kind == "lion":
+        return optax.chain(optax.scale_by_lion(hp["b1"], hp["b2"]), optax.add_decayed_weights(hp["weight_decay"]))
+    if opt.slots:
+        return optax.trace(hp["momentum"], opt.nesterov)
+    return optax.identity()

@@ -26,7 +26,9 @@ of that python (``benchmarks/_ds_cpu_adam.py``, which imports only torch and dee
 times each step itself), and ``zj.zero_optimizer(optax.adamw(...), offload_optimizer="cpu")``:
 its jitted ``update`` on a one-device CPU mesh, gradients and state donated (as inside a
 training step, where the gradients are temporaries and the state is replaced; a fresh copy
-of the gradients is made before each timed call). Printed: each median and the ratio
+of the gradients is made before each timed call), and the loop a user writes around it:
+``jax.jit`` of ``update`` and ``optax.apply_updates`` with params and state donated, the
+gradients not donated (and, beside it, donated). Printed: each median and the ratio
 "DeepSpeed CPU Adam time / zerojax time" (goal >= 1.0) for HostAdamW and for zero_optimizer.
 DeepSpeed's C++ op is built by DeepSpeed at its first use (a compiler and ninja in that
 environment); ``--ds-threads`` sets its OMP_NUM_THREADS (default: DeepSpeed's own choice), and
@@ -205,6 +207,37 @@ def make_zero_optimizer_step(n: int):
     return run, kinds
 
 
+def make_zero_optimizer_loop(n: int, donate_grads: bool):
+    """The loop a user writes around zj.zero_optimizer(optax.adamw, offload_optimizer="cpu") on a
+    one-device CPU mesh: ``jax.jit`` of ``tx.update`` and ``optax.apply_updates``, params and state
+    donated, the gradients donated or not; each call times one step."""
+    cpu = jax.devices("cpu")[0]
+    mesh = zj.make_mesh(1, devices=[cpu])
+    tx = zj.zero_optimizer(optax.adamw(LR, weight_decay=WD), mesh=mesh,
+                           config=zj.ZeroConfig(stage=1, offload_optimizer="cpu"))
+    rng = np.random.default_rng(6)
+    carry = [{"w": jax.device_put(rng.standard_normal(n, dtype=np.float32), cpu) + 0}]
+    grads = {"w": jax.device_put(rng.standard_normal(n, dtype=np.float32), cpu) + 0}
+    carry.append(tx.init(carry[0]))
+
+    def step(params, state, g):
+        u, state = tx.update(g, state, params)
+        return optax.apply_updates(params, u), state
+
+    fn = jax.jit(step, donate_argnums=(0, 1, 2) if donate_grads else (0, 1))
+
+    def run():
+        g = jax.tree.map(lambda x: x + 0, grads) if donate_grads else grads  # not timed
+        jax.block_until_ready(g)
+        w, c = time.perf_counter(), time.process_time()
+        carry[0], carry[1] = fn(carry[0], carry[1], g)
+        jax.block_until_ready(carry)
+        return time.perf_counter() - w, time.process_time() - c
+
+    run()  # compile
+    return run
+
+
 def timed(fn):
     """(wall seconds, CPU seconds of the whole process) of one call; a call that times itself
     returns that pair."""
@@ -266,6 +299,8 @@ def main():
         ds = DeepSpeedStep(args.vs_deepspeed, n, args.ds_threads)
         cands["deepspeed"] = ds
         cands["zero_optimizer"], zo_kinds = make_zero_optimizer_step(n)
+        cands["user loop"] = make_zero_optimizer_loop(n, donate_grads=False)
+        cands["user loop, grads donated"] = make_zero_optimizer_loop(n, donate_grads=True)
     res = interleaved(cands, args.reps)
 
     bw = {k: nbytes / res[k][0] for k, (_, nbytes) in probes.items()}
@@ -310,7 +345,9 @@ def main():
         print(f"DeepSpeed CPU Adam ({ds.versions}, OMP threads {ds.threads}): {dsw * 1e3:.1f} ms/step  "
               f"{n / dsw / 1e6:.1f} M params/s  ({n / dsc / 1e6:.0f} M params per CPU-second)")
         for key, label in (("host", "HostAdamW (host_zeros)"),
-                           ("zero_optimizer", "zero_optimizer offload_optimizer='cpu', jitted update")):
+                           ("zero_optimizer", "zero_optimizer offload_optimizer='cpu', jitted update"),
+                           ("user loop", "zero_optimizer in jit(update + apply_updates), grads not donated"),
+                           ("user loop, grads donated", "  ... the same, grads donated")):
             w, c = res[key]
             print(f"{label}: {w * 1e3:.1f} ms/step  {n / w / 1e6:.1f} M params/s  "
                   f"({n / c / 1e6:.0f} M params per CPU-second)   "

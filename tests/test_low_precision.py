@@ -15,7 +15,14 @@ import optax
 import pytest
 
 import zerojax as zj
-from tests.helpers import batches, init_params, loss_fn, max_rel_err, mixed_reference_run
+from tests.helpers import (
+    batches,
+    init_params,
+    loss_fn,
+    max_rel_err,
+    mixed_reference_run,
+)
+import zerojax.placement as placement
 from zerojax.config.deepspeed import key_report
 from zerojax.errors import ConfigError, IgnoredKeysWarning, StepOptionError
 from zerojax.low_precision import stochastic_round
@@ -244,7 +251,7 @@ def test_checkpoint_round_trips_between_state_precisions(tmp_path, params, src, 
     state, _ = train(params, tx, batches(2), config(2, src))
     saved_params = jax.device_get(state.full_params(jnp.float32))
     saved_mu = [np.asarray(x, np.float32) for x in jax.tree_util.tree_leaves(
-        state.plan.map(lambda lay, x: state.plan.unpad(x, lay), state.opt_state[0].mu))]
+        state.plan.map(lambda lay, x: placement.unpad(x, lay), state.opt_state[0].mu))]
     with zj.checkpoint.CheckpointManager(tmp_path) as mngr:
         mngr.save(2, state)
     target = zj.abstract_train_state(params, tx, mesh=zj.make_mesh(4), config=config(3, dst))
@@ -254,7 +261,7 @@ def test_checkpoint_round_trips_between_state_precisions(tmp_path, params, src, 
     want = jax.tree_util.tree_map(store, wide(saved_params))
     assert max_rel_err(jax.device_get(restored.full_params(jnp.float32)), jax.device_get(want)) == 0.0
     assert (restored.master is None) == bool(master)
-    mu = restored.plan.map(lambda lay, x: restored.plan.unpad(x, lay), restored.opt_state[0].mu)
+    mu = restored.plan.map(lambda lay, x: placement.unpad(x, lay), restored.opt_state[0].mu)
     for got, ref in zip(jax.tree_util.tree_leaves(mu), saved_mu):
         assert got.dtype == jnp.dtype(BF16 if opt else jnp.float32)
         np.testing.assert_array_equal(np.asarray(got, np.float32),

@@ -15,6 +15,7 @@ import pytest
 import zerojax as zj
 from tests.helpers import batches, init_params, loss_fn, max_rel_err, reference_train
 from tests.offload.zenflow_reference import SGD, AdamW, Lion, ZenFlowReference
+import zerojax.placement as placement
 
 OPTIMIZERS = {
     "adam": lambda: optax.adam(1e-2),
@@ -134,7 +135,7 @@ def test_cell(path, opt, tmp_path):
         state, _ = step(state, b)
     state = step.finish(state)
     step.close()
-    got = state.plan.params_logical(state.params)
+    got = placement.params_logical(state.plan, state.params)
     got = jax.tree_util.tree_unflatten(state.plan.treedef, got)
     if path == "zenflow":
         want = _zenflow_reference(opt, params, data)

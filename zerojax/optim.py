@@ -20,7 +20,7 @@ to its host, and the updates come back to device memory before the gather. On a 
 devices (whose memory is the host's) an Adam/AdamW that ``make_train_step``'s gated pass
 recognises runs instead in the native host kernel (:mod:`zerojax.kernels.native`, as fast as
 DeepSpeed's CPU Adam): one pass over each partition, the moments updated in place in host
-memory and the updates written over the gradients. An optimizer
+memory and the updates written to a buffer of their own (the gradients are only read). An optimizer
 whose update cannot be traced for the host (it mixes host values with constants it makes on
 the device: optax.adafactor, lamb, clip_by_global_norm) is updated on the device instead, with
 a ``HostUpdateWarning``; its state still lives in host memory between steps. NVMe offload,
@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
+import zerojax.placement as placement
 from zerojax._compat import compute_on_host, same_memory_space, to_device_memory
 from zerojax.config import ZeroConfig
 from zerojax.errors import ConfigError, IgnoredKeysWarning, StateError
@@ -158,13 +159,13 @@ def zero_optimizer(tx: optax.GradientTransformation, *, mesh=None,
 
     def init_fn(params):
         plan = plan_for(params)
-        stored = plan.opt_to_storage(tx.init(plan.to_update(split(plan, params))))
+        stored = placement.opt_to_storage(plan, tx.init(placement.to_update(plan, split(plan, params))))
         return store(plan, lift(plan, stored) if offload else stored)
 
     def device_update(plan: ZeroPlan, grads, inner, params):
         """Partitioned grads/params and the inner state, all padded -> padded updates and state."""
-        new_updates, inner = tx.update(plan.to_update(grads), plan.opt_to_update(inner), plan.to_update(params))
-        return plan.to_storage(new_updates), plan.opt_to_storage(inner)
+        new_updates, inner = tx.update(placement.to_update(plan, grads), placement.opt_to_update(plan, inner), placement.to_update(plan, params))
+        return placement.to_storage(plan, new_updates), placement.opt_to_storage(plan, inner)
 
     def lifted_update(plan: ZeroPlan, grads, inner, params):
         """``device_update`` on the lifted state, under one ``vmap`` (of size 1) per lifted axis,
@@ -204,7 +205,7 @@ def zero_optimizer(tx: optax.GradientTransformation, *, mesh=None,
     def native_update(plan: ZeroPlan, recipe, grads, state: ZeroOptState, params):
         """The offloaded Adam update in the native kernel: one pass over each device's partition of
         the grads, params and host-resident moments (updated in place when donated), the updates
-        written over the grads. The counts and hyperparameters (schedules) advance as optax's."""
+        in a buffer of their own. The counts and hyperparameters (schedules) advance as optax's."""
         k = _lift_rank(plan)
         leaves, treedef = jax.tree_util.tree_flatten(state.inner)
         lowered = [x.reshape(x.shape[k:]) for x in leaves]

@@ -374,34 +374,6 @@ class ZeroPlan:
         total = sum(e for e, _ in sizes)
         return sum(e for e, h in sizes if h) / total if total else 0.0
 
-    def share(self, tree, host: bool):
-        """A params-structured tree with the other side's leaves replaced by None (optax's
-        idiom for params it does not update)."""
-        return self.map(lambda lay, x: x if self.opt_on_host(lay) == host else None, tree)
-
-    def merge(self, host_tree, device_tree):
-        """The two sides of ``share`` put back together."""
-        return self.map(lambda lay, h, d: h if self.opt_on_host(lay) else d, host_tree, device_tree)
-
-    def opt_sides(self, opt_state) -> list:
-        """Per optimizer leaf: True (host side), False (device side) or None (no param owns it)."""
-        return [None if lay is None else self.opt_on_host(lay) for lay in self.opt_leaf_owners(opt_state)]
-
-    def opt_share(self, opt_state, host: bool):
-        """``opt_state`` with the other side's per-param leaves replaced by None; the leaves no
-        param owns (counts, schedule state) are kept on both sides."""
-        leaves, treedef = jax.tree_util.tree_flatten(opt_state)
-        sides = self.opt_sides(opt_state)
-        return treedef.unflatten([x if side is None or side == host else None for x, side in zip(leaves, sides)])
-
-    def opt_merge(self, like, host_state, device_state):
-        """The two sides of ``opt_share`` of ``like`` put back together; the leaves no param owns
-        come from the host side (their home is host memory)."""
-        treedef = jax.tree_util.tree_structure(like)
-        sides = self.opt_sides(like)
-        h, d = treedef.flatten_up_to(host_state), treedef.flatten_up_to(device_state)
-        return treedef.unflatten([dx if side is False else hx for hx, dx, side in zip(h, d, sides)])
-
     def _sharding(self, spec: P, kind: str) -> NamedSharding:
         if kind == DEVICE:
             return NamedSharding(self.mesh, spec)
@@ -497,81 +469,6 @@ class ZeroPlan:
     def update_sharding(self, lay: LeafLayout) -> NamedSharding:
         """Where a leaf lives while the optimizer updates it: logical shape, split like the master."""
         return NamedSharding(self.mesh, lay.spec(self.opt_partitioned(lay), self.data_axis))
-
-    def _to_update(self, lay: Optional[LeafLayout], x):
-        if x is None or lay is None or not self.opt_partitioned(lay):
-            return x
-        # XLA splits the logical (unpadded) shape with the same tile size: no data moves
-        return jax.lax.with_sharding_constraint(self.unpad(x, lay), self.update_sharding(lay))
-
-    def _to_storage(self, lay: Optional[LeafLayout], x):
-        if x is None or lay is None or not self.opt_partitioned(lay):
-            return x
-        return self.pad(x, lay)
-
-    def to_update(self, tree):
-        """Params-structured tree in partitioned storage (padded) -> logical update layout.
-
-        The optimizer always sees the user's shapes, so per-leaf means (Adafactor, block RMS
-        clipping) are exact even where storage is padded."""
-        return self.map(self._to_update, tree)
-
-    def to_storage(self, tree):
-        return self.map(self._to_storage, tree)
-
-    def opt_to_update(self, opt_state):
-        leaves, treedef = jax.tree_util.tree_flatten(opt_state)
-        lays = self.opt_leaf_layouts(opt_state, stored=True)
-        return treedef.unflatten([self._to_update(lay, x) for lay, x in zip(lays, leaves)])
-
-    def opt_to_storage(self, opt_state):
-        leaves, treedef = jax.tree_util.tree_flatten(opt_state)
-        lays = self.opt_leaf_layouts(opt_state, stored=False)
-        return treedef.unflatten([self._to_storage(lay, x) for lay, x in zip(lays, leaves)])
-
-    # ------------------------------------------------------------- memory kinds
-    @staticmethod
-    def fetch(tree, shardings):
-        """Leaves stored in host memory -> device memory, same partitioning (inside jit)."""
-        def one(x, s):
-            if x is None or s.memory_kind in (None, DEVICE):
-                return x
-            return jax.device_put(x, s.with_memory_kind(DEVICE))
-        return jax.tree_util.tree_map(one, tree, shardings, is_leaf=lambda x: x is None)
-
-    @staticmethod
-    def put_back(tree, shardings):
-        """Leaves whose home is host memory -> back to it (inside jit)."""
-        def one(x, s):
-            if x is None or s.memory_kind in (None, DEVICE):
-                return x
-            return jax.device_put(x, s)
-        return jax.tree_util.tree_map(one, tree, shardings, is_leaf=lambda x: x is None)
-
-    def params_logical(self, params) -> list:
-        """Stored params -> their leaves in the user's (unpadded) shapes, in flatten order."""
-        return [self.unpad(x, lay) if lay.params_partitioned else x
-                for lay, x in zip(self.leaves, self.treedef.flatten_up_to(params))]
-
-    def params_stored(self, leaves):
-        """Leaves in the user's shapes (flatten order) -> the params tree in storage layout."""
-        return self.treedef.unflatten([self.pad(x, lay) if lay.params_partitioned else x
-                                       for lay, x in zip(self.leaves, leaves)])
-
-    # ------------------------------------------------------------- layout changes
-    @staticmethod
-    def pad(x, lay: LeafLayout):
-        if lay.pad == 0:
-            return x
-        widths = [(0, 0)] * x.ndim
-        widths[lay.axis] = (0, lay.pad)
-        return jnp.pad(x, widths)
-
-    @staticmethod
-    def unpad(x, lay: LeafLayout):
-        if lay.pad == 0 or x.shape[lay.axis] == lay.shape[lay.axis]:
-            return x
-        return jax.lax.slice_in_dim(x, 0, lay.shape[lay.axis], axis=lay.axis)
 
     def describe(self) -> str:
         """A table: one line per leaf with its shape, split dim, padding and per-stage placement."""

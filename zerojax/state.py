@@ -10,6 +10,7 @@ from flax import struct
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import zerojax.placement as placement
 from zerojax.config import ZeroConfig
 from zerojax.low_precision import opt_for_storage
 from zerojax.mesh import make_mesh
@@ -79,15 +80,15 @@ def _build_fn(plan: ZeroPlan, tx):
     cdt = plan.compute_dtype
 
     def build(full):
-        params = plan.map(lambda lay, x: plan.pad(x.astype(cdt), lay) if lay.params_partitioned else x.astype(cdt), full)
+        params = plan.map(lambda lay, x: placement.pad(x.astype(cdt), lay) if lay.params_partitioned else x.astype(cdt), full)
         if plan.optimizer_state_outside:  # the step creates the state (files, ZenFlow's buffers)
             out = (params, None, None)
         else:
             # the optimizer starts from the master's value: the bf16 params when they are the master
             own = plan.config.master_weights_dtype is not None
             master = plan.map(lambda lay, x: (x.astype(cdt) if own else x).astype(jnp.float32), full)
-            opt_state = plan.opt_to_storage(opt_for_storage(plan, tx.init(master)))
-            out = (params, plan.to_storage(master) if plan.state_has_master else None, opt_state)
+            opt_state = placement.opt_to_storage(plan, opt_for_storage(plan, tx.init(master)))
+            out = (params, placement.to_storage(plan, master) if plan.state_has_master else None, opt_state)
         # fresh buffers: the caller's arrays must survive the steps, which donate the state
         return jax.tree_util.tree_map(lambda x: jnp.array(x, copy=True), out)
 
@@ -189,7 +190,7 @@ def unshard_params(state: TrainState, dtype=None):
 
     def one(lay, x):
         partitioned = plan.opt_partitioned(lay) if master_layout else lay.params_partitioned
-        y = plan.unpad(x, lay) if partitioned else x
+        y = placement.unpad(x, lay) if partitioned else x
         return y.astype(dtype or lay.dtype)
 
     return jax.jit(lambda t: plan.map(one, t), out_shardings=plan.map(

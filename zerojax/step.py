@@ -15,12 +15,16 @@ from __future__ import annotations
 
 from typing import Callable
 
+import jax
+import jax.numpy as jnp
+
 from zerojax.contract import METRIC_KEYS, Step, StepBase
-from zerojax.errors import StepOptionError
+from zerojax.errors import OptimizerError, StepOptionError
 from zerojax.kernels.fused_update import fused_adam_ok
 from zerojax.offload.nvme_step import HostLoopStep
 from zerojax.offload.zenflow import ZenFlowStep
 from zerojax.stages.device_step import TrainStep, build_device_step
+from zerojax.stages.update import takes_value
 from zerojax.state import TrainState
 from zerojax.update._recognize import describe
 
@@ -34,6 +38,26 @@ def _path_name(state: TrainState) -> str:
     if cfg.offload_optimizer == "nvme":
         return "nvme"
     return "device"
+
+
+def _check_extra_args(state: TrainState) -> None:
+    """An optimizer whose ``update`` takes extra arguments gets the step's loss as ``value=``;
+    one that needs more (a line search's ``value_fn`` and ``grad``, Sophia's ``obj_fn``: a
+    function of the params) is refused by name here, before anything is traced for the step."""
+    tx = state.tx
+    if not takes_value(tx):
+        return
+    plan = state.plan
+    params = plan.treedef.unflatten([jax.ShapeDtypeStruct(lay.shape, jnp.float32) for lay in plan.leaves])
+    try:
+        jax.eval_shape(lambda p: tx.update(p, tx.init(p), p, value=jnp.float32(0.0)), params)
+    except Exception as e:  # noqa: BLE001 - whatever it lacks, the step cannot give it
+        raise OptimizerError(
+            f"this optimizer ({describe(tx)}) needs more than the loss in update(): calling it with "
+            f"value=<the loss> fails with {type(e).__name__}: {e}. make_train_step passes the loss as value= "
+            "(optax.contrib.reduce_on_plateau, polyak_sgd, momo train); line searches (value_fn, grad) and "
+            "Sophia (obj_fn) need a function of the params, which it does not pass. Fix: use an optimizer "
+            "without those arguments, or zj.zero_optimizer in your own loop, calling update with them.") from e
 
 
 def make_train_step(loss_fn: Callable, state: TrainState, *, has_aux: bool = False, donate: bool = True,
@@ -58,6 +82,7 @@ def make_train_step(loss_fn: Callable, state: TrainState, *, has_aux: bool = Fal
     runs in interpret mode (for tests), on GPU through Triton. The host paths update on the
     host, so ``fused_adam=True`` with them is an error naming the option.
     """
+    _check_extra_args(state)
     path = _path_name(state)
     if path != "device":
         if fused_adam:

@@ -11,6 +11,7 @@ import pytest
 import zerojax as zj
 from tests import broken
 from tests.helpers import batches, init_params, loss_fn, max_rel_err, reference_run
+import zerojax.placement as placement
 from zerojax.offload import nvme
 from zerojax.offload.nvme_step import HostLoopStep
 
@@ -28,7 +29,7 @@ def nvme_state(path, stage=2, precision="fp32", **kw):
 
 def logical(state):
     plan = state.plan
-    return plan.map(lambda lay, x: plan.unpad(x, lay) if lay.params_partitioned else x, state.params)
+    return plan.map(lambda lay, x: placement.unpad(x, lay) if lay.params_partitioned else x, state.params)
 
 
 CLIP = 0.05  # below every step's gradient norm (0.17-0.36 here): it clips every step

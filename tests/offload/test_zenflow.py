@@ -11,6 +11,7 @@ import zerojax as zj
 from tests import broken
 from tests.helpers import batches, init_params, loss_fn, max_rel_err, reference_train
 from tests.offload.zenflow_reference import ZenFlowReference
+import zerojax.placement as placement
 from zerojax.offload.zenflow import AUTO_MAX_INTERVAL, ZenFlowStep, zenflow_settings
 
 
@@ -25,7 +26,7 @@ def zen_state(params, zenflow, stage=2, tx=None, **kw):
 
 def logical_params(state):
     plan = state.plan
-    return plan.map(lambda lay, x: plan.unpad(x, lay) if lay.params_partitioned else x, state.params)
+    return plan.map(lambda lay, x: placement.unpad(x, lay) if lay.params_partitioned else x, state.params)
 
 
 @pytest.mark.parametrize("block,match", [

@@ -69,6 +69,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import zerojax.placement as placement
 from zerojax.errors import CheckpointError
 from zerojax.plan import LeafLayout, ZeroPlan, path_str
 from zerojax.state import TrainState, state_shardings
@@ -152,21 +153,21 @@ def logical_tree(state: TrainState):
     opt_homes = jax.tree_util.tree_leaves(homes.opt_state)
 
     def build(src, opt_leaves, step, loss_scale, rng):
-        src = ZeroPlan.fetch(src, src_homes)
+        src = placement.fetch(src, src_homes)
         params, sums = {}, {}
         for lay, x in zip(plan.leaves, plan.treedef.flatten_up_to(src)):
-            logical = plan.unpad(x, lay).astype(jnp.float32)
-            params[lay.path] = plan.pad(logical, lay) if _disk_split(plan, lay) else logical
+            logical = placement.unpad(x, lay).astype(jnp.float32)
+            params[lay.path] = placement.pad(logical, lay) if _disk_split(plan, lay) else logical
             sums["params/" + lay.path] = _checksum(logical)
         opt_out = {}
         for (path, _, lay), x, home in zip(opt, opt_leaves, opt_homes):
             if home.memory_kind not in (None, "device"):
                 x = jax.device_put(x, _device(home))
             if lay is not None:
-                logical = plan.unpad(x, lay)
+                logical = placement.unpad(x, lay)
                 if jnp.issubdtype(logical.dtype, jnp.floating):  # fp32 logical values, as the params
                     logical = logical.astype(jnp.float32)
-                x = plan.pad(logical, lay) if _disk_split(plan, lay) else logical
+                x = placement.pad(logical, lay) if _disk_split(plan, lay) else logical
             else:
                 logical = x
             opt_out[path] = x
@@ -258,16 +259,16 @@ def relayout(restored: dict, target: TrainState, opt, homes):
         sums = {}
         params, master = [], []
         for lay in plan.leaves:
-            logical = plan.unpad(flat_params[lay.path], lay)
+            logical = placement.unpad(flat_params[lay.path], lay)
             sums["params/" + lay.path] = _checksum(logical)
-            params.append(plan.pad(logical.astype(cdt), lay) if lay.params_partitioned else logical.astype(cdt))
-            master.append(plan.pad(logical, lay) if plan.opt_partitioned(lay) else logical)
+            params.append(placement.pad(logical.astype(cdt), lay) if lay.params_partitioned else logical.astype(cdt))
+            master.append(placement.pad(logical, lay) if plan.opt_partitioned(lay) else logical)
         opt_leaves = []
         for (path, _, lay), x, dt in zip(opt, flat_opt, target_dtypes):
             if lay is not None:
-                x = plan.unpad(x, lay)
+                x = placement.unpad(x, lay)
                 sums["opt_state/" + path] = _checksum(x)
-                x = plan.pad(x, lay) if plan.opt_partitioned(lay) else x
+                x = placement.pad(x, lay) if plan.opt_partitioned(lay) else x
             else:
                 sums["opt_state/" + path] = _checksum(x)
             opt_leaves.append(x.astype(dt))

@@ -41,7 +41,7 @@ def native_adam_pass(plan: ZeroPlan, tx, recipe, inner, params, grads, moment_sp
     memory and its moments as stored (``moment_specs``: their specs, one per param; default
     the master's); ``params``,
     ``grads``: params-structured, split like the master. Returns the kernel's first results
-    (the new params, or with ``updates`` optax's updates written over the gradients) and the
+    (the new params, or with ``updates`` optax's updates) and the
     new state: counts and hyperparameters advanced as optax's (kept where ``apply`` is false),
     the moments the kernel's."""
     hp, before, after = step_hyperparams(tx, inner)
@@ -81,7 +81,7 @@ def native_host_apply_fn(plan: ZeroPlan, tx):
             or not native.available():
         return None
 
-    def host_apply(grads, master, opt_state, scale, coef, skip, key=None):
+    def host_apply(grads, master, opt_state, scale, coef, skip, key=None, value=None):
         leaves, treedef = jax.tree_util.tree_flatten(opt_state)
         mirrors = plan.opt_leaf_layouts(opt_state, stored=True)
         inner = treedef.unflatten([x if lay is not None else to_device_memory(x) for x, lay in zip(leaves, mirrors)])
@@ -104,7 +104,7 @@ def host_apply_fn(plan: ZeroPlan, tx):
     # Adam/AdamW, SGD momentum on fp32 states: the gated pass (zerojax/stages/gated.py), no select
     recipe = None if plan.partial_offload else plan_recipe(plan, tx)
 
-    def host_apply(grads, master, opt_state, scale, coef, skip, key=None):
+    def host_apply(grads, master, opt_state, scale, coef, skip, key=None, value=None):
         grads = jax.tree_util.tree_map(lambda g: g.astype(f32) / scale / coef, grads)
         # values the optimizer makes from constants are typed as device values: home them
         home = functools.partial(jax.tree_util.tree_map, same_memory_space)
@@ -112,7 +112,7 @@ def host_apply_fn(plan: ZeroPlan, tx):
             new_master, new_opt = gated_update(recipe, tx, master, grads, opt_state, ~skip)
             new_master, new_opt = home(new_master, master), home(new_opt, opt_state)
         else:
-            new_master, new_opt = optax_update(plan, tx, master, grads, opt_state, key)
+            new_master, new_opt = optax_update(plan, tx, master, grads, opt_state, key, value)
             keep = functools.partial(jax.tree_util.tree_map, lambda o, n: jnp.where(skip, o, same_memory_space(n, o)))
             new_master, new_opt = keep(master, new_master), keep(opt_state, new_opt)
         new_params = jax.tree_util.tree_map(lambda x: x.astype(plan.compute_dtype), new_master)

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import zerojax.placement as placement
 from zerojax.contract import StepBase
 from zerojax.errors import ConfigError
 from zerojax.offload.flat import FlatLayout
@@ -90,16 +91,16 @@ class HostLoopStep(StepBase):
         self.grads = np.empty(n, jnp.dtype(self.cdt))
         self.out16 = np.empty(n, jnp.dtype(self.cdt)) if self.cdt != jnp.float32 else None
         self.count = 0
-        self.store.init(self.layout.fill(np.empty(n, np.float32), plan.params_logical(state.params)))
+        self.store.init(self.layout.fill(np.empty(n, np.float32), placement.params_logical(plan, state.params)))
         compute_grads = grads_fn(loss_fn, plan, has_aux)
         def device(params, batch, rng):
             g, loss = compute_grads(params, batch, jnp.float32(1.0), rng)
-            checked = check_gradients(cfg, plan.to_update(g), loss)
+            checked = check_gradients(cfg, placement.to_update(plan, g), loss)
             leaves = [(x / checked.coef).astype(self.cdt) for x in plan.treedef.flatten_up_to(checked.grads)]
             return leaves, loss, checked._replace(grads=None)
 
         def place(leaves):
-            return plan.params_stored([x.astype(self.cdt) for x in leaves])
+            return placement.params_stored(plan, [x.astype(self.cdt) for x in leaves])
 
         self._device = jax.jit(device)
         self._place = jax.jit(place, out_shardings=plan.param_shardings)

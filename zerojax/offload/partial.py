@@ -21,6 +21,7 @@ import functools
 import jax
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
+import zerojax.placement as placement
 from zerojax.errors import ConfigError
 from zerojax.plan import ZeroPlan, path_str
 
@@ -69,7 +70,7 @@ def _flow(jaxpr: Jaxpr, masks: list) -> list:
 
 
 def _opt_masks(plan: ZeroPlan, opt_tree) -> list:
-    return [0 if side is None else _HOST if side else _DEV for side in plan.opt_sides(opt_tree)]
+    return [0 if side is None else _HOST if side else _DEV for side in placement.opt_sides(plan, opt_tree)]
 
 
 def check_split(plan: ZeroPlan, tx) -> None:

@@ -51,6 +51,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import zerojax.placement as placement
 from zerojax.config.checks import zenflow_block
 from zerojax.contract import StepBase, check_state
 from zerojax.errors import ConfigError
@@ -170,7 +171,7 @@ class ZenFlowStep(StepBase):
     # ------------------------------------------------------------------ helpers
     def _master_from(self, params) -> None:
         """The host master of the 2-D weights := the device's params (widened to fp32)."""
-        logical = self.plan.params_logical(params)
+        logical = placement.params_logical(self.plan, params)
         self.layout.fill(self.master, [logical[i] for i in self.mat])
 
     def _build(self, loss_fn, has_aux):
@@ -182,7 +183,7 @@ class ZenFlowStep(StepBase):
         rep = NamedSharding(plan.mesh, P())
 
         def init_dev(params):
-            leaves = plan.params_logical(params)
+            leaves = placement.params_logical(plan, params)
             vec_master = [leaves[i].astype(f32) for i in vec]
             return {"idx": [jnp.zeros((k,), jnp.int32) for k in topk],
                     "sel": [jnp.zeros((k,) + plan.leaves[i].shape[1:], f32) for i, k in zip(mat, topk)],
@@ -193,9 +194,9 @@ class ZenFlowStep(StepBase):
             return jax.tree_util.tree_map(lambda p, u: p + u * (-lr), ps, updates)
 
         def device_step(params, dev, batch, rng, lr, reselect: bool, warm: bool):
-            leaves = plan.params_logical(params)
+            leaves = placement.params_logical(plan, params)
             g_st, loss = compute_grads(params, batch, f32(1.0), rng)
-            checked = check_gradients(cfg, plan.treedef.flatten_up_to(plan.to_update(g_st)), loss)
+            checked = check_gradients(cfg, plan.treedef.flatten_up_to(placement.to_update(plan, g_st)), loss)
             g = [x / checked.coef for x in checked.grads]
             idx, sel, sel_opt = dev["idx"], dev["sel"], dev["sel_opt"]
             if reselect:
@@ -222,7 +223,7 @@ class ZenFlowStep(StepBase):
                 imp = jnp.stack([jnp.sum(jnp.abs(x)) for x in g_sel]) if mat else jnp.zeros((0,))
                 tot = jnp.stack([jnp.sum(jnp.abs(g[i])) for i in mat]) if mat else jnp.zeros((0,))
                 metrics.update(imp=imp, unimp=tot - imp)
-            new_params = plan.params_stored(out)
+            new_params = placement.params_stored(plan, out)
             new_dev = {"idx": idx, "sel": sel, "sel_opt": sel_opt, "vec": vec_master, "vec_opt": vec_opt}
             # a non-finite step changes nothing; a select (not lax.cond) keeps the update in place
             apply = ~checked.skip
@@ -232,12 +233,12 @@ class ZenFlowStep(StepBase):
             return new_params, new_dev, host_grads, metrics
 
         def merge(params, host_params, idx, keep_selected: bool):
-            leaves = plan.params_logical(params)
+            leaves = placement.params_logical(plan, params)
             out = list(leaves)
             for j, i in enumerate(mat):
                 new = host_params[j].astype(cdt)
                 out[i] = new.at[idx[j]].set(leaves[i][idx[j]]) if keep_selected else new
-            return plan.params_stored(out)
+            return placement.params_stored(plan, out)
 
         shardings = plan.param_shardings
         self._init_dev = jax.jit(init_dev)

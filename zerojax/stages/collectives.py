@@ -10,6 +10,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+import zerojax.placement as placement
 from zerojax._compat import shard_map
 from zerojax.plan import LeafLayout, ZeroPlan
 
@@ -29,18 +30,18 @@ def local_shape(lay: LeafLayout, n: int):
 def gather(x, lay: LeafLayout, axis_name: str):
     """Local shard -> the whole (unpadded) leaf on every device: one all-gather."""
     moved = jax.lax.all_gather(jnp.moveaxis(x, lay.axis, 0), axis_name, axis=0, tiled=True)
-    return ZeroPlan.unpad(jnp.moveaxis(moved, 0, lay.axis), lay)
+    return placement.unpad(jnp.moveaxis(moved, 0, lay.axis), lay)
 
 
 def reduce_scatter(g, lay: LeafLayout, axis_name: str):
     """Whole local gradient -> this device's shard of the sum over devices: one reduce-scatter."""
-    g = jnp.moveaxis(ZeroPlan.pad(g, lay), lay.axis, 0)
+    g = jnp.moveaxis(placement.pad(g, lay), lay.axis, 0)
     return jnp.moveaxis(jax.lax.psum_scatter(g, axis_name, scatter_dimension=0, tiled=True), 0, lay.axis)
 
 
 def local_slice(x, lay: LeafLayout, axis_name: str, n: int):
     """Whole leaf (same on every device) -> this device's shard; no communication."""
-    x = ZeroPlan.pad(x, lay)
+    x = placement.pad(x, lay)
     chunk = x.shape[lay.axis] // n
     start = jax.lax.axis_index(axis_name) * chunk
     return jax.lax.dynamic_slice_in_dim(x, start, chunk, axis=lay.axis)
@@ -132,7 +133,7 @@ def rows(x, lay: LeafLayout, n: int):
     before the split one are exchanged with the device axis: contiguous runs are moved, no
     element transpose."""
     before, inner = _split_view(lay, n)
-    return jnp.swapaxes(ZeroPlan.pad(x, lay).reshape(before, n, inner), 0, 1).reshape(n, -1)
+    return jnp.swapaxes(placement.pad(x, lay).reshape(before, n, inner), 0, 1).reshape(n, -1)
 
 
 def shard_row(shard, lay: LeafLayout):
@@ -149,7 +150,7 @@ def unrows(r, lay: LeafLayout):
     """All devices' rows (n, chunk) -> the whole (unpadded) leaf."""
     n = r.shape[0]
     before, inner = _split_view(lay, n)
-    return ZeroPlan.unpad(jnp.swapaxes(r.reshape(n, before, inner), 0, 1).reshape(lay.storage_shape), lay)
+    return placement.unpad(jnp.swapaxes(r.reshape(n, before, inner), 0, 1).reshape(lay.storage_shape), lay)
 
 
 def bucket_members(values, lays, bucket_size: int):

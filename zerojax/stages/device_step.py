@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import zerojax.placement as placement
 from zerojax._compat import compute_on_host
 from zerojax.contract import METRIC_KEYS, StepBase
 from zerojax.kernels.fused_update import fused_adamw_update
@@ -28,7 +29,7 @@ from zerojax.plan import DEVICE, ZeroPlan
 from zerojax.stages.adam import adam_recipe
 from zerojax.stages.gated import gated_update, plan_recipe
 from zerojax.stages.gradients import grads_fn
-from zerojax.stages.update import master_view, optax_update, params_from_master
+from zerojax.stages.update import master_view, optax_update, params_from_master, takes_value
 from zerojax.state import TrainState, state_shardings
 from zerojax.update._pipeline import (
     check_gradients,
@@ -55,7 +56,7 @@ def _update_fn(loss_fn: Callable, plan: ZeroPlan, tx, has_aux: bool, fused_adam:
     recipe = adam_recipe(tx) if fused_adam else None
     gated = None if fused_adam else plan_recipe(plan, tx)
 
-    def on_host(state, scaled, grads, scale, coef, skip, key):
+    def on_host(state, scaled, grads, scale, coef, skip, key, value):
         # ZeRO-Offload: the (still loss-scaled) gradients travel to the host in the compute
         # dtype, the host updates the fp32 master and moments and sends back compute-dtype
         # params, which the device then gathers (stages 1–2). With a split state only the
@@ -65,52 +66,53 @@ def _update_fn(loss_fn: Callable, plan: ZeroPlan, tx, has_aux: bool, fused_adam:
         master = master_view(plan, state)
         if not plan.has_master:  # fp32 or a bf16 master: the device's params are the master
             master = plan.map(lambda lay, x: jax.device_put(x, plan.master_sharding(lay)), master)
-        host_master = plan.share(master, True) if split else master
-        host_opt = plan.opt_share(state.opt_state, True) if split else state.opt_state
-        new_params, new_master, opt_state = host_apply(to_host, host_master, host_opt, scale, coef, skip, key)
+        host_master = placement.share(plan, master, True) if split else master
+        host_opt = placement.opt_share(plan, state.opt_state, True) if split else state.opt_state
+        new_params, new_master, opt_state = host_apply(to_host, host_master, host_opt, scale, coef, skip, key, value)
         new_params = plan.map(lambda lay, x: None if x is None else jax.device_put(
             x, plan.master_sharding(lay).with_memory_kind(DEVICE)), new_params)
         if split:
-            dev_master, dev_opt = device_side(state, master, grads, coef, skip, key)
-            new_params = plan.merge(new_params, dev_master)
-            new_master = plan.merge(new_master, dev_master) if plan.has_master else None
-            opt_state = plan.opt_merge(state.opt_state, opt_state, dev_opt)
+            dev_master, dev_opt = device_side(state, master, grads, coef, skip, key, value)
+            new_params = placement.merge(plan, new_params, dev_master)
+            new_master = placement.merge(plan, new_master, dev_master) if plan.has_master else None
+            opt_state = placement.opt_merge(plan, state.opt_state, opt_state, dev_opt)
         return params_from_master(plan, new_params), new_master, opt_state
 
-    def device_side(state, master, grads, coef, skip, key):
+    def device_side(state, master, grads, coef, skip, key, value):
         # the device side of a split optimizer state: its master and moments never leave
         # device memory; the leaves no param owns (counts) are read from their home on the host
-        master = plan.share(master, False)
-        opt_state = plan.fetch(plan.opt_share(state.opt_state, False), homes.opt_state)
+        master = placement.share(plan, master, False)
+        opt_state = placement.fetch(placement.opt_share(plan, state.opt_state, False), homes.opt_state)
         grads = plan.map(lambda lay, g: None if plan.opt_on_host(lay) else g / coef, grads)
-        new = optax_update(plan, tx, master, grads, opt_state, key)
+        new = optax_update(plan, tx, master, grads, opt_state, key, value)
         return jax.tree_util.tree_map(lambda o, n: jnp.where(skip, o, n), (master, opt_state), new)
 
 
-    def on_device(state, grads, skip, key):
+    def on_device(state, grads, skip, key, value):
         # offloaded state is fetched from host memory for the update and put back after it
-        state = state.replace(params=plan.fetch(state.params, homes.params),
-                              master=plan.fetch(state.master, homes.master),
-                              opt_state=plan.fetch(state.opt_state, homes.opt_state))
+        state = state.replace(params=placement.fetch(state.params, homes.params),
+                              master=placement.fetch(state.master, homes.master),
+                              opt_state=placement.fetch(state.opt_state, homes.opt_state))
 
         if gated is not None:
             master, opt_state = gated_update(gated, tx, master_view(plan, state), grads, state.opt_state, ~skip)
-            return (params_from_master(plan, master), plan.put_back(master if plan.has_master else None, homes.master),
-                    plan.put_back(opt_state, homes.opt_state))
+            return (params_from_master(plan, master), placement.put_back(master if plan.has_master else None, homes.master),
+                    placement.put_back(opt_state, homes.opt_state))
 
         def apply(_):
             if fused_adam:
                 params_c, master, opt_state = fused_adamw_update(plan, tx, recipe, master_view(plan, state),
                                                                  state.opt_state, grads, fused_block)
                 return params_from_master(plan, params_c), (master if plan.has_master else None), opt_state
-            master, opt_state = optax_update(plan, tx, master_view(plan, state), grads, state.opt_state, key)
+            master, opt_state = optax_update(plan, tx, master_view(plan, state), grads, state.opt_state, key,
+                                             value)
             return params_from_master(plan, master), (master if plan.has_master else None), opt_state
 
         # a select rather than lax.cond: it fuses into the update (on the CPU lax.cond copies
         # the whole state: 4.5x the step time of an optimizer-bound model)
         old = (state.params, state.master, state.opt_state)
         params, master, opt_state = jax.tree_util.tree_map(lambda o, n: jnp.where(skip, o, n), old, apply(None))
-        return params, plan.put_back(master, homes.master), plan.put_back(opt_state, homes.opt_state)
+        return params, placement.put_back(master, homes.master), placement.put_back(opt_state, homes.opt_state)
 
     def train_step(state: TrainState, batch):
         scale = state.loss_scale.scale if fp16 else jnp.float32(1.0)
@@ -119,20 +121,21 @@ def _update_fn(loss_fn: Callable, plan: ZeroPlan, tx, has_aux: bool, fused_adam:
         # offloaded stage-3 params stay in host memory: each shard is brought to the device
         # just before its gather, layer by layer; the rest are fetched now
         state = state.replace(params=plan.map(
-            lambda lay, x, s: x if lay.params_partitioned else plan.fetch(x, s), state.params, homes.params))
+            lambda lay, x, s: x if lay.params_partitioned else placement.fetch(x, s), state.params, homes.params))
         scaled, loss = compute_grads(state.params, batch, scale, rng)
         checked = check_gradients(cfg, scaled, loss, scale)
         grads, coef, skip = checked.grads, checked.coef, checked.skip
+        value = loss if takes_value(tx) else None  # reduce_on_plateau, polyak_sgd, momo read the loss
         def device():
-            return on_device(state, jax.tree_util.tree_map(lambda g: g / coef, grads), skip, key)
+            return on_device(state, jax.tree_util.tree_map(lambda g: g / coef, grads), skip, key, value)
 
         if host_apply is not None:
-            done = host_or_device(lambda: on_host(state, scaled, grads, scale, coef, skip, key), device,
+            done = host_or_device(lambda: on_host(state, scaled, grads, scale, coef, skip, key, value), device,
                                   "offload_optimizer='cpu'")
         else:
             done = device()
         params, master, opt_state = done
-        params = plan.put_back(params, homes.params)
+        params = placement.put_back(params, homes.params)
         loss_scale = next_loss_scale(cfg, state.loss_scale, checked.finite)
         new_state = state.replace(step=state.step + 1, params=params, master=master, opt_state=opt_state,
                                   loss_scale=loss_scale)

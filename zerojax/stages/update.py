@@ -11,12 +11,19 @@ import jax
 import jax.numpy as jnp
 import optax
 
+import zerojax.placement as placement
 from zerojax.low_precision import opt_for_storage, opt_for_update, round_master
 from zerojax.plan import ZeroPlan
 from zerojax.stages import collectives as C
 from zerojax.state import TrainState
 
-__all__ = ["master_view", "optax_update", "params_from_master"]
+__all__ = ["master_view", "optax_update", "params_from_master", "takes_value"]
+
+
+def takes_value(tx) -> bool:
+    """Whether ``tx.update`` takes extra arguments (optax's ``GradientTransformationExtraArgs``),
+    to which a step passes its loss as ``value=``."""
+    return isinstance(tx, optax.GradientTransformationExtraArgs)
 
 def _split_not_stored_split(plan: ZeroPlan):
     return lambda lay: plan.opt_partitioned(lay) and not lay.params_partitioned
@@ -37,18 +44,24 @@ def params_from_master(plan: ZeroPlan, master):
     return C.gather_tree(plan, master, _split_not_stored_split(plan), dtype=plan.compute_dtype)
 
 
-def optax_update(plan: ZeroPlan, tx, master, grads, opt_state, key=None):
+def optax_update(plan: ZeroPlan, tx, master, grads, opt_state, key=None, value=None):
     """``tx`` on the user's logical shapes (padding stripped, split over the data axis) from
     partitioned storage and back: ``(master, opt_state)`` updated, in storage layout.
 
     Low-precision states (:mod:`zerojax.low_precision`): a bf16 master and bf16 moments are
     widened to fp32 for the update, which computes in fp32; the new master is rounded back to
-    bf16 (stochastically with ``stochastic_rounding``, from ``key``), the moments to nearest."""
-    current = plan.to_update(master)
-    grads = plan.to_update(grads)
+    bf16 (stochastically with ``stochastic_rounding``, from ``key``), the moments to nearest.
+
+    ``value``: the step's loss, passed as ``update(..., value=loss)`` to a transformation that
+    takes extra arguments (``optax.GradientTransformationExtraArgs``: reduce_on_plateau,
+    polyak_sgd, momo)."""
+    current = placement.to_update(plan, master)
+    grads = placement.to_update(plan, grads)
     if plan.config.master_weights_dtype is not None:
         current = jax.tree_util.tree_map(lambda x: x.astype(jnp.float32), current)
         grads = jax.tree_util.tree_map(lambda g: g.astype(jnp.float32), grads)
-    updates, opt_state = tx.update(grads, opt_for_update(plan, plan.opt_to_update(opt_state)), current)
+    extra = {"value": value} if value is not None and takes_value(tx) else {}
+    updates, opt_state = tx.update(grads, opt_for_update(plan, placement.opt_to_update(plan, opt_state)), current,
+                                   **extra)
     new = round_master(plan, optax.apply_updates(current, updates), key)
-    return plan.to_storage(new), plan.opt_to_storage(opt_for_storage(plan, opt_state))
+    return placement.to_storage(plan, new), placement.opt_to_storage(plan, opt_for_storage(plan, opt_state))

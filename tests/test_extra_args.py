@@ -1,0 +1,81 @@
+"""Optimizers that read the loss: ``make_train_step`` passes it as ``update(..., value=loss)``.
+
+reduce_on_plateau, polyak_sgd and momo train and equal plain optax given the same losses;
+optimizers that need a function of the params (line searches, Sophia) are refused by name.
+"""
+import jax
+import optax
+import optax.contrib
+import pytest
+
+import zerojax as zj
+import zerojax.placement as placement
+from tests.helpers import batches, init_params, loss_fn, max_rel_err
+
+OPTIMIZERS = {
+    "reduce_on_plateau": lambda: optax.chain(optax.adam(1e-2),
+                                             optax.contrib.reduce_on_plateau(patience=1, factor=0.5, cooldown=0,
+                                                                             accumulation_size=1)),
+    "polyak_sgd": lambda: optax.polyak_sgd(max_learning_rate=0.5),
+    "momo": lambda: optax.contrib.momo(learning_rate=0.1),
+}
+
+
+def reference(params, tx, data):
+    state = tx.init(params)
+
+    @jax.jit
+    def step(p, s, b):
+        loss, g = jax.value_and_grad(loss_fn)(p, b)
+        u, s = tx.update(g, s, p, value=loss)
+        return optax.apply_updates(p, u), s, loss
+
+    losses = []
+    for b in data:
+        params, state, loss = step(params, state, b)
+        losses.append(float(loss))
+    return params, losses
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+@pytest.mark.parametrize("stage", [0, 2])
+def test_optimizers_that_read_the_loss_equal_optax(name, stage):
+    params = init_params(jax.random.PRNGKey(0))
+    data = batches(4)
+    want, want_losses = reference(params, OPTIMIZERS[name](), data)
+    state = zj.shard_train_state(params, OPTIMIZERS[name](), config=zj.ZeroConfig(stage=stage))
+    step = zj.make_train_step(loss_fn, state)
+    losses = []
+    for b in data:
+        state, m = step(state, b)
+        losses.append(float(m["loss"]))
+    got = jax.tree_util.tree_unflatten(state.plan.treedef, placement.params_logical(state.plan, state.params))
+    assert losses == pytest.approx(want_losses, rel=1e-5)
+    assert max_rel_err(got, want) < 1e-6
+
+
+def test_reduce_on_plateau_scale_follows_the_loss():
+    """The plateau's scale is read from the losses the step passes: with patience 0 and a loss
+    that does not improve (learning rate 0), it halves every step."""
+    tx = optax.chain(optax.sgd(0.0), optax.contrib.reduce_on_plateau(patience=0, factor=0.5, cooldown=0,
+                                                                     accumulation_size=1))
+    params = init_params(jax.random.PRNGKey(0))
+    state = zj.shard_train_state(params, tx, config=zj.ZeroConfig(stage=1))
+    step = zj.make_train_step(loss_fn, state)
+    b = batches(1)[0]
+    for _ in range(3):
+        state, _ = step(state, b)
+    scale = float(jax.tree_util.tree_leaves(state.opt_state[1].scale)[0])
+    assert scale == pytest.approx(0.5 ** 2)  # the first loss sets the best; two plateaus follow
+
+
+@pytest.mark.parametrize("tx", [
+    pytest.param(lambda: optax.lbfgs(), id="lbfgs-linesearch"),
+    pytest.param(lambda: optax.chain(optax.sgd(0.1), optax.scale_by_backtracking_linesearch(max_backtracking_steps=5)),
+                 id="backtracking"),
+])
+def test_optimizers_that_need_a_function_of_the_params_are_refused(tx):
+    params = init_params(jax.random.PRNGKey(0))
+    state = zj.shard_train_state(params, tx(), config=zj.ZeroConfig(stage=1))
+    with pytest.raises(zj.OptimizerError, match="needs more than the loss"):
+        zj.make_train_step(loss_fn, state)

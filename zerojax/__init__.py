@@ -3,8 +3,11 @@
 The data flow, and where each part lives:
 
     config/   ZeroConfig, the DeepSpeed reader, optimizers, schedules
-    plan.py   ZeroPlan: how each leaf is stored and split at the config's stage
+    plan.py   ZeroPlan: how each leaf is stored and split at the config's stage (decisions)
+    placement.py  moving trees between the plan's storage and the step's compute layouts
     state.py  TrainState: the sharded params, master, optimizer state and loss scaler
+    update/   what every engine shares: the optimizer recognition and the step pipeline
+              (unscale, norm, finite check, skip, clip, loss scale, metrics)
     stages/   the rules of stages 0–3: gradient reduction, collectives, the stage-3 gathers,
               the optimizer update on partitions and the jitted on-device step
     offload/  the host update, host Adam, flat buffers, the NVMe store and step, ZenFlow

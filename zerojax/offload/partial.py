@@ -23,6 +23,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
 import zerojax.placement as placement
 from zerojax.errors import ConfigError
+from zerojax.update._recognize import describe
 from zerojax.plan import ZeroPlan, path_str
 
 __all__ = ["check_split"]
@@ -91,7 +92,8 @@ def check_split(plan: ZeroPlan, tx) -> None:
             raise ConfigError(
                 f"ZeroConfig.offload_ratio={plan.config.offload_ratio!r} (zero_optimization.offload_optimizer.ratio) "
                 f"keeps the optimizer state of some params in host memory and of the others on the device, "
-                f"but this optimizer cannot be split by param: {name} ({_OWN[w]}) depends on {_OTHER[g & ~w]}. "
+                f"but this optimizer ({describe(tx)}) cannot be split by param: {name} ({_OWN[w]}) depends on "
+                f"{_OTHER[g & ~w]}. "
                 f"Each param's update and state must come from that param alone (optax.adam, adamw, sgd, lion); "
                 f"global-norm clipping inside the optimizer, apply_if_finite and the like mix params. "
                 f"Fix: use offload_ratio 1.0, or such an optimizer (clip with ZeroConfig.gradient_clipping "

@@ -236,9 +236,28 @@ def autotp_describe(params, autotp_size: int, param_specs=None, *, vocab_paralle
     return "\n".join(rows)
 
 
+_CPU_PASS = "all-reduce-promotion"
+
+
+def check_cpu_precision(mesh: Mesh, config) -> None:
+    """On the CPU backend XLA's all-reduce promotion pass aborts the process (a failed check,
+    not an exception) when it meets the 16-bit all-reduces of a step on a mesh with a model
+    axis; refuse with the way out instead."""
+    if config.precision == "fp32" or mesh.devices.flat[0].platform != "cpu":
+        return
+    if _CPU_PASS in os.environ.get("XLA_FLAGS", ""):
+        return
+    raise ConfigError(
+        f"autotp_size={config.autotp_size} with precision {config.precision!r} on the CPU backend: XLA's "
+        f"{_CPU_PASS} pass aborts the process while compiling a 16-bit step on a ('data', 'model') mesh. Fix: "
+        f"train in fp32 on the CPU (bf16/fp16 disabled), or set XLA_FLAGS=--xla_disable_hlo_passes={_CPU_PASS} "
+        "before jax is imported")
+
+
 def plan_specs(params, mesh: Mesh, config, param_specs=None) -> Any:
     """What :meth:`zerojax.plan.ZeroPlan.create` plans with under ``config.autotp_size`` > 1:
     the mesh checked, and the AutoTP specs with the user's annotations kept."""
     check_autotp_mesh(mesh, config.autotp_size, config.data_axis)
+    check_cpu_precision(mesh, config)
     return autotp_specs(params, config.autotp_size, param_specs, vocab_parallel=config.autotp_vocab_parallel,
                         data_axis=config.data_axis)

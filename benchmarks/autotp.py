@@ -36,7 +36,8 @@ def llama(args):
 
     cfg = transformers.LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 4,
                                    num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=2,
-                                   max_position_embeddings=max(32, args.seq))
+                                   max_position_embeddings=2 * max(32, args.seq) + 1)  # odd: never the head dim,
+    # which Flax Llama (transformers 4.57) cannot init with (a rotary shape mismatch)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # transformers: Flax classes end with v5
         model = transformers.FlaxLlamaForCausalLM(cfg, seed=0)

@@ -129,8 +129,7 @@ def mesh_for(config, mesh=None) -> Mesh:
 
 # --------------------------------------------------------------------------- rules
 def _parts(path) -> list:
-    from zerojax.plan import path_str
-    parts = path_str(path).split("/")
+    parts = jax.tree_util.keystr(path, simple=True, separator="/").split("/")  # as zerojax.plan.path_str
     while len(parts) > 1 and parts[-1] in _BOX and parts[-2] in _PARAM_NAMES:
         parts.pop()  # nnx.State paths end in the Variable's .value
     return parts

@@ -37,17 +37,26 @@ def _quiet(fn, *args, **kwargs):
         return fn(*args, **kwargs)
 
 
-@functools.lru_cache(maxsize=None)
-def hf_model(kind: str):
-    """(model, host params) of a tiny Hugging Face Flax causal LM."""
+def _hf(kind: str, **kw):
+    # 32 positions: transformers 4.57's Flax models cannot init with as many positions as the head dim (8)
     if kind == "llama":
         cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
-        model = _quiet(transformers.FlaxLlamaForCausalLM, cfg, seed=0)
-    else:
-        cfg = transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=32)
-        model = _quiet(transformers.FlaxGPT2LMHeadModel, cfg, seed=0)
+        return _quiet(transformers.FlaxLlamaForCausalLM, cfg, seed=0, **kw)
+    cfg = transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=32)
+    return _quiet(transformers.FlaxGPT2LMHeadModel, cfg, seed=0, **kw)
+
+
+@functools.lru_cache(maxsize=None)
+def hf_model(kind: str):
+    """(model, host params) of a tiny Hugging Face Flax causal LM, randomly initialised."""
+    model = _hf(kind)
     return model, jax.tree_util.tree_map(np.asarray, model.params)
+
+
+def hf_shapes(kind: str):
+    """The same model's params as ShapeDtypeStructs (nothing initialised or compiled)."""
+    return _hf(kind, _do_init=False).params_shape_tree
 
 
 def lm_loss(model):
@@ -80,7 +89,7 @@ def _update(tx, loss_fn, p, s, b):
 
 # --------------------------------------------------------------------------- the rules
 def test_rules_on_hugging_face_llama_and_gpt2():
-    _, llama = hf_model("llama")
+    llama = hf_shapes("llama")
     rules = {lay.path: (lay.rule, lay.dim) for lay in autotp_leaves(llama, 2)}
     layer = "model/layers/0"
     for name in ("self_attn/q_proj", "self_attn/k_proj", "self_attn/v_proj", "mlp/gate_proj", "mlp/up_proj"):
@@ -93,7 +102,7 @@ def test_rules_on_hugging_face_llama_and_gpt2():
     vocab = {lay.path: (lay.rule, lay.dim) for lay in autotp_leaves(llama, 2, vocab_parallel=True)}
     assert vocab["model/embed_tokens/embedding"] == ("vocab", 0) and vocab["lm_head/kernel"] == ("vocab", 1)
 
-    _, gpt2 = hf_model("gpt2")
+    gpt2 = hf_shapes("gpt2")
     rules = {lay.path: (lay.rule, lay.dim) for lay in autotp_leaves(gpt2, 2)}
     block = "transformer/h/1"
     # Hugging Face's Flax GPT-2 keeps Conv1D kernels [out, in]: c_attn is [96, 32]

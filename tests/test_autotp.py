@@ -234,9 +234,13 @@ def test_hugging_face_models_train_like_plain_optax(kind, stage):
                                                                jax.tree_util.tree_leaves(params)))
     assert moved > 1e-3  # the comparison means something: the params did move
 
-    # each projection kernel: 1/2 of its split dim per device ("model"), and 1/8 overall at stage 3
     split = [lay for lay in autotp_leaves(params, 2) if lay.rule in ("column", "row")]
     assert len(split) == (14 if kind == "llama" else 12)
+    assert_projection_shards(state, split, stage)
+
+
+def assert_projection_shards(state, split, stage):
+    """Each projection: 1/2 of its split dim per device ("model"), and 1/8 overall at stage 3."""
     stored = dict((jax.tree_util.keystr(p, simple=True, separator="/"), x)
                   for p, x in jax.tree_util.tree_flatten_with_path(state.params)[0])
     for lay in split:
@@ -247,6 +251,23 @@ def test_hugging_face_models_train_like_plain_optax(kind, stage):
             fraction = shard.data.size / np.prod(lay.shape)
             # a 1-D bias has no dim left for "data" once "model" splits it
             assert fraction == (1 / 8 if stage == 3 and len(lay.shape) == 2 else 1 / 2), (lay.path, fraction)
+
+
+def test_negative_controls_the_shard_and_orientation_checks_bite(monkeypatch):
+    params = {"q_proj": {"kernel": np.ones((8, 8), np.float32)}, "down_proj": {"kernel": np.ones((16, 8), np.float32)}}
+    split = [lay for lay in autotp_leaves(params, 2) if lay.rule in ("column", "row")]
+    assert len(split) == 2
+    tp = zj.shard_train_state(params, optax.sgd(0.1), mesh=zj.autotp_mesh(2), config=zj.ZeroConfig(stage=1,
+                                                                                                 autotp_size=2))
+    assert_projection_shards(tp, split, 1)
+    # the same mesh without AutoTP: nothing split over "model", and the check says so
+    plain = zj.shard_train_state(params, optax.sgd(0.1), mesh=zj.autotp_mesh(2), config=zj.ZeroConfig(stage=1))
+    with pytest.raises(AssertionError):
+        assert_projection_shards(plain, split, 1)
+    # GPT-2's [out, in] kernels read as [in, out]: the rules test fails
+    monkeypatch.setattr("zerojax.autotp._gpt2_out_first", lambda flat: False)
+    with pytest.raises(AssertionError):
+        test_rules_on_hugging_face_llama_and_gpt2()
 
 
 @pytest.mark.slow

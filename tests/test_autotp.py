@@ -47,7 +47,7 @@ def _hf(kind: str, **kw):
     return _quiet(transformers.FlaxGPT2LMHeadModel, cfg, seed=0, **kw)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def hf_model(kind: str):
     """(model, host params) of a tiny Hugging Face Flax causal LM, randomly initialised."""
     model = _hf(kind)
@@ -241,8 +241,8 @@ def test_hugging_face_models_train_like_plain_optax(kind, stage):
 
 def assert_projection_shards(state, split, stage):
     """Each projection: 1/2 of its split dim per device ("model"), and 1/8 overall at stage 3."""
-    stored = dict((jax.tree_util.keystr(p, simple=True, separator="/"), x)
-                  for p, x in jax.tree_util.tree_flatten_with_path(state.params)[0])
+    stored = {jax.tree_util.keystr(p, simple=True, separator="/"): x
+              for p, x in jax.tree_util.tree_flatten_with_path(state.params)[0]}
     for lay in split:
         x = stored[lay.path]
         assert x.sharding.spec[lay.dim] == "model", lay.path

@@ -39,7 +39,7 @@ from zerojax.errors import ConfigError
 from zerojax.mesh import make_mesh
 
 __all__ = ["COLUMN", "MODEL", "ROW", "VOCAB", "TPLeaf", "autotp_describe", "autotp_leaves", "autotp_mesh",
-           "autotp_size_of", "autotp_specs", "check_autotp_mesh", "mesh_for"]
+           "autotp_size_of", "autotp_specs", "check_autotp_mesh", "check_cpu_precision", "mesh_for", "plan_specs"]
 
 MODEL = "model"  # the tensor-parallel mesh axis
 

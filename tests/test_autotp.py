@@ -186,6 +186,8 @@ def test_deepspeed_keys_mesh_and_batch_arithmetic():
                                         world_size=8).autotp_vocab_parallel
     with pytest.raises(ConfigError, match="tensor_parallel.autotp_size"):
         zj.ZeroConfig.from_deepspeed({**cfg, "tensor_parallel": {"autotp_size": -1}})
+    with pytest.raises(ConfigError, match="autotp_size=3 does not divide the 8 devices"):
+        zj.ZeroConfig.from_deepspeed({**cfg, "tensor_parallel": {"autotp_size": 3}})
     with pytest.raises(ConfigError, match="tensor_parallel.tp_sizee"):
         zj.ZeroConfig.from_deepspeed({**cfg, "tensor_parallel": {"tp_sizee": 2}})
     with pytest.raises(ConfigError, match="tensor_parallel.replace_with_kernel_inject"):

@@ -165,6 +165,9 @@ def read_deepspeed(path_or_dict, training_args=None, world_size: Optional[int] =
     read_top(cfg, v)
     tp = tensor_parallel_fields(cfg.get("tensor_parallel"), v)
     if world_size is None:  # DeepSpeed's data-parallel size is world / autotp_size
+        if world % tp["autotp_size"]:
+            v.refuse("tensor_parallel.autotp_size", f"tensor_parallel.autotp_size={tp['autotp_size']} does not "
+                     f"divide the {world} devices. Fix: use a divisor of {world}")
         world = max(1, world // tp["autotp_size"])
     missing, mismatches = fill_auto(cfg, Context(training_args, world, hidden_size, cfg), v)
     for path, message in missing:

@@ -217,7 +217,8 @@ def deepspeed_fields(path_or_dict, training_args=None, world_size: Optional[int]
 
     ``training_args`` (a :class:`TrainingArgs` or any object with those attributes) fills
     "auto" and is checked against explicit values; ``world_size`` is the data-parallel size
-    (default ``jax.device_count()`` divided by ``tensor_parallel.autotp_size``); ``hidden_size`` fills the bucket sizes set to "auto".
+    (default ``jax.device_count()`` divided by ``tensor_parallel.autotp_size``); ``hidden_size``
+    fills the bucket sizes set to "auto".
     Raises one ConfigError naming every refused key; warns (IgnoredKeysWarning, once, naming
     each key) about accepted-but-ignored keys and (DeprecationWarning) about deprecated ones.
 

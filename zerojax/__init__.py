@@ -80,6 +80,13 @@ from zerojax.flax_support import nnx_params as nnx_params
 
 __all__ += ["linen_params", "nnx_params"]
 
+# tensor parallelism from DeepSpeed's "tensor_parallel" block (AutoTP)
+from zerojax.autotp import autotp_describe as autotp_describe
+from zerojax.autotp import autotp_mesh as autotp_mesh
+from zerojax.autotp import autotp_specs as autotp_specs
+
+__all__ += ["autotp_describe", "autotp_mesh", "autotp_specs"]
+
 # tools
 from zerojax.tools.autotune import autotune as autotune
 from zerojax.tools.compiled import comm_report as comm_report

@@ -29,7 +29,7 @@ from zerojax.config.deepspeed import optimizer_from_config, resolve_batch
 from zerojax.config.schedules import from_deepspeed as schedule_from_deepspeed
 from zerojax.contract import Step
 from zerojax.errors import ConfigError
-from zerojax.mesh import make_mesh
+from zerojax.autotp import mesh_for
 from zerojax.plan import ZeroPlan, path_str
 from zerojax.state import TrainState, shard_train_state
 from zerojax.step import make_train_step
@@ -222,7 +222,9 @@ def initialize(
     JSON file; a dict or path is read with ``ZeroConfig.from_deepspeed(config, training_args,
     world_size=<size of the mesh's data axis>, hidden_size)``, so "auto" values are filled from
     ``training_args`` (:class:`~zerojax.config.deepspeed.TrainingArgs` or any object with those fields).
-    ``mesh`` defaults to ``zj.make_mesh()`` (every device on the data axis).
+    ``mesh`` defaults to ``zj.make_mesh()`` (every device on the data axis), or with
+    ``autotp_size`` N > 1 (``"tensor_parallel": {"autotp_size": N}``) to a ``("data", "model")``
+    mesh of world / N x N (:mod:`zerojax.autotp`); a given mesh must then have a "model" axis of N.
 
     The optimizer, first match wins:
 
@@ -251,7 +253,7 @@ def initialize(
                                     "zero_optimization": {"stage": 2},
                                     "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
     """
-    mesh = make_mesh() if mesh is None else mesh
+    mesh = mesh_for(config, mesh)  # all devices on "data", or the AutoTP mesh when autotp_size > 1
     config = _resolve_config(config, mesh, training_args, hidden_size)
     tx = _optimizer(config, training_args, optimizer)
     state = shard_train_state(params_or_init_fn, tx, mesh=mesh, config=config, rng=rng, param_specs=param_specs)

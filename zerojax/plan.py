@@ -231,6 +231,9 @@ class ZeroPlan:
             warnings.warn("zerojax accepts but ignores reduce_scatter=False (zero_optimization.reduce_scatter) "
                           "at stage 3, as DeepSpeed does: stage-3 gradients are always reduce-scattered. "
                           "Drop the key, or use stage 1 or 2 to all-reduce them", IgnoredKeysWarning, stacklevel=2)
+        if config.autotp_size > 1:  # AutoTP: "model" splits by layer name, the user's annotations kept
+            from zerojax.autotp import plan_specs
+            param_specs = plan_specs(params, mesh, config, param_specs)
         leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
         if param_specs is not None:
             spec_leaves = treedef.flatten_up_to(param_specs)
@@ -476,9 +479,14 @@ class ZeroPlan:
         if self.config.offload_optimizer is not None:
             rows[0] += (f", optimizer state offloaded: {self.host_fraction:.3f} of its elements in host memory "
                         f"(offload_ratio {self.config.offload_ratio:g})")
+        model_axes = [a for a in self.mesh.axis_names if a != self.data_axis and self.mesh.shape[a] > 1]
         for lay in self.leaves:
             where = "params split" if lay.params_partitioned else "params whole"
             split = "-" if lay.axis is None else f"dim {lay.axis}" + (f" +{lay.pad} pad" if lay.pad else "")
             opt = f"  opt state {'host' if self.opt_on_host(lay) else 'device'}" if self.config.offload_optimizer else ""
-            rows.append(f"  {lay.path:<40} {str(lay.shape):<18} {split:<16} {where}{opt}")
+            tp = ""
+            if model_axes:  # what the other mesh axes hold: a split, or the whole leaf on each device
+                named = [e for e in lay.base_spec if e is not None]
+                tp = f"  {P(*lay.base_spec)}" if named else f"  replicated on {'/'.join(model_axes)}"
+            rows.append(f"  {lay.path:<40} {str(lay.shape):<18} {split:<16} {where}{opt}{tp}")
         return "\n".join(rows)

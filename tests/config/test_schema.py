@@ -55,6 +55,8 @@ def test_every_key_table_entry_that_sets_a_field_names_a_field_with_that_key():
 # one valid non-default value per DeepSpeed key that sets a field, and what the field becomes
 KEY_VALUES = {
     "zero_optimization.stage": (2, 2),
+    "tensor_parallel.autotp_size": (2, 2),
+    "tensor_parallel.vocab_parallel_lm_head": (True, True),
     "zero_optimization.reduce_scatter": (False, False),
     "zero_optimization.reduce_bucket_size": (1e6, 1_000_000),
     "zero_optimization.allgather_bucket_size": (0, 0),

@@ -13,13 +13,13 @@ from __future__ import annotations
 from typing import Optional
 
 from zerojax.config.keys import (BF16, DEPRECATED_ZERO, FP16, OFFLOAD_OPTIMIZER, OFFLOAD_PARAM, OPTIMIZERS,
-                                 REFUSED_OPTIMIZERS, TOP, ZENFLOW, ZERO, ZERO_BLOCKS, Key)
+                                 REFUSED_OPTIMIZERS, TENSOR_PARALLEL, TOP, ZENFLOW, ZERO, ZERO_BLOCKS, Key)
 from zerojax.config.schema import (FIELDS, LOW_PRECISION, Invalid, broken_rules, did_you_mean, invalid_message,
                                    precision_message, rule_message, typo_of)
 from zerojax.config.verdicts import Verdicts
 
-__all__ = ["optimizer_block", "precision_fields", "read_block", "read_optimizer", "read_top", "upgrade_deprecated",
-           "zenflow_block", "zero_fields"]
+__all__ = ["optimizer_block", "precision_fields", "read_block", "read_optimizer", "read_top",
+           "tensor_parallel_fields", "upgrade_deprecated", "zenflow_block", "zero_fields"]
 
 _DEFAULT_OK = "DeepSpeed's default; zerojax behaves the same"
 _BLOCKS = ("zero_optimization", "fp16", "bf16")  # the optimizer and scheduler readers give their own
@@ -190,6 +190,14 @@ def upgrade_deprecated(cfg: dict, v: Verdicts) -> None:
             v.aliases.setdefault(f"{path}.{b}.pin_memory", full)
         v.honour(full, "deprecated spelling, read as pin_memory of " + (" and ".join(blocks) or
                                                                           "the offload blocks (none given)"))
+
+
+# --------------------------------------------------------------------------- tensor_parallel
+def tensor_parallel_fields(block, v: Verdicts) -> dict:
+    """ZeroConfig's AutoTP fields from the tensor_parallel block (absent: off)."""
+    path = "tensor_parallel"
+    given = read_block(block, TENSOR_PARALLEL, path, v) if block is not None else {}
+    return fields_of(given, path, v)[0]
 
 
 # --------------------------------------------------------------------------- zero_optimization

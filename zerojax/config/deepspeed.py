@@ -44,7 +44,7 @@ from zerojax.config.schedules import resolve_scheduler
 from zerojax.config.auto import Context, args_value, fill_auto, fillable
 from zerojax.config.auto import TrainingArgs as TrainingArgs
 from zerojax.config.checks import (low_precision_rules, precision_fields, read_block, read_optimizer, read_top,
-                                   upgrade_deprecated, zero_fields)
+                                   tensor_parallel_fields, upgrade_deprecated, zero_fields)
 from zerojax.config.keys import BF16, FP16, OFFLOAD_OPTIMIZER, OFFLOAD_PARAM, TOP, ZERO
 from zerojax.config.optimizers import optimizer_from_config as optimizer_from_config
 from zerojax.config.verdicts import Verdicts
@@ -163,11 +163,18 @@ def read_deepspeed(path_or_dict, training_args=None, world_size: Optional[int] =
             cfg["bf16"] = cfg.pop("bfloat16")
     upgrade_deprecated(cfg, v)
     read_top(cfg, v)
+    tp = tensor_parallel_fields(cfg.get("tensor_parallel"), v)
+    if world_size is None:  # DeepSpeed's data-parallel size is world / autotp_size
+        if world % tp["autotp_size"]:
+            v.refuse("tensor_parallel.autotp_size", f"tensor_parallel.autotp_size={tp['autotp_size']} does not "
+                     f"divide the {world} devices. Fix: use a divisor of {world}")
+        world = max(1, world // tp["autotp_size"])
     missing, mismatches = fill_auto(cfg, Context(training_args, world, hidden_size, cfg), v)
     for path, message in missing:
         v.refuse(path, message)
     _leftover_auto(cfg, "", v)
     fields, paths = zero_fields(cfg.get("zero_optimization", {}), v)
+    fields.update(tp)
     precision, precision_paths = precision_fields(cfg, v)
     fields.update(precision)
     low_precision_rules(fields, {**paths, **precision_paths}, v)
@@ -210,7 +217,8 @@ def deepspeed_fields(path_or_dict, training_args=None, world_size: Optional[int]
 
     ``training_args`` (a :class:`TrainingArgs` or any object with those attributes) fills
     "auto" and is checked against explicit values; ``world_size`` is the data-parallel size
-    (default ``jax.device_count()``); ``hidden_size`` fills the bucket sizes set to "auto".
+    (default ``jax.device_count()`` divided by ``tensor_parallel.autotp_size``); ``hidden_size``
+    fills the bucket sizes set to "auto".
     Raises one ConfigError naming every refused key; warns (IgnoredKeysWarning, once, naming
     each key) about accepted-but-ignored keys and (DeprecationWarning) about deprecated ones.
 

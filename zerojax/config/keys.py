@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional
 from zerojax.config.schema import FIELDS, NONTRAINABLE, Invalid, boolean, choice, integer, number, optional, string
 
 __all__ = ["BF16", "DEPRECATED_ZERO", "FP16", "Key", "OFFLOAD_OPTIMIZER", "OFFLOAD_PARAM", "OPTIMIZERS",
-           "REFUSED_OPTIMIZERS", "TOP", "ZENFLOW", "ZERO", "is_off"]
+           "REFUSED_OPTIMIZERS", "TENSOR_PARALLEL", "TOP", "ZENFLOW", "ZERO", "is_off"]
 
 REMOVED = "was removed from DeepSpeed (0.19.8 refuses it)"
 
@@ -218,6 +218,26 @@ REFUSED_OPTIMIZERS = {  # lower-case type -> (what it is, the zerojax alternativ
              "optimizer block removed"),
 }
 
+# --------------------------------------------------------------------------- tensor_parallel (AutoTP)
+def _inner_tp_off(value) -> bool:  # the inference block {"tp_size": 1, ...}: off at one rank
+    return is_off(value) or isinstance(value, dict) and set(value) <= {"tp_size", "enabled", "tp_grain_size"} \
+        and (value.get("tp_size") or 1) <= 1
+
+
+_NOT_AUTOTP = "a DeepSpeed inference or injection setting; zerojax's AutoTP splits by layer name (zerojax.autotp)"
+TENSOR_PARALLEL: dict = {
+    **_fields_under("tensor_parallel"),  # autotp_size, vocab_parallel_lm_head
+    "dtype": _ignored(None, None, "the precision comes from the fp16/bf16 blocks", off=lambda v: True),
+    "tp_overlap_comm": _ignored(False, boolean, _XLA_SCHEDULES),
+    "vocab_parallel_ce_backend": _ignored(None, None, "XLA partitions the cross-entropy of a vocabulary-parallel head",
+                                          off=lambda v: True),
+    **{k: Key(None, refused=True, off=_inner_tp_off, why=f"{_NOT_AUTOTP}. Fix: use autotp_size, or remove it")
+       for k in ("tensor_parallel", "tp")},
+    **{k: Key(None, refused=True, on_off=True, why=f"{_NOT_AUTOTP}. Fix: remove it")
+       for k in ("injection_policy_tuple", "partition_config", "preset_model", "keep_module_on_host",
+                 "replace_with_kernel_inject", "kernel_inject")},
+}
+
 # --------------------------------------------------------------------------- top level
 _MONITOR = "zerojax logs nothing itself: log the step's metrics with your own tool"
 _NOT_HERE = "a DeepSpeed engine feature zerojax does not have"
@@ -225,17 +245,6 @@ _NOT_HERE = "a DeepSpeed engine feature zerojax does not have"
 
 def _any_bool(value) -> bool:  # either value is what zerojax does
     return isinstance(value, bool)
-
-
-def _tp_off(value) -> bool:
-    if is_off(value):
-        return True
-    if not isinstance(value, dict):
-        return False
-    inner = value.get("tp", value.get("tensor_parallel", {}))
-    size = inner.get("tp_size", 1) if isinstance(inner, dict) else 1
-    rest = set(value) - {"autotp_size", "tp", "tensor_parallel"}
-    return not rest and (value.get("autotp_size") or 0) <= 1 and (size or 1) <= 1
 
 
 _FIELD_KEYS = {spec.keys[0]: Key(spec.key_default, spec.ds_check, spec.name)
@@ -298,14 +307,7 @@ TOP: dict = {
     "torch_autocast": _ignored(None, None, "ZeroConfig.precision sets the dtypes", on_off=True),
     "data_efficiency": _ignored(None, None, _NOT_HERE, on_off=True),
     "expert_parallel": _ignored(None, None, "zerojax has no expert parallelism", on_off=True),
-    "tensor_parallel": Key(refused=True, off=_tp_off, subkeys=(
-        "dtype", "autotp_size", "tp_overlap_comm", "vocab_parallel_lm_head", "vocab_parallel_ce_backend",
-        "tensor_parallel", "tp", "injection_policy_tuple", "partition_config", "preset_model", "keep_module_on_host",
-        "replace_with_kernel_inject", "kernel_inject"),
-                           why="DeepSpeed's AutoTP is not available in zerojax. Fix: remove \"tensor_parallel\" "
-                               "and split the params over a \"model\" mesh axis with PartitionSpecs: "
-                               "zj.shard_train_state(..., mesh=zj.make_mesh((4, 2), (\"data\", \"model\")), "
-                               "param_specs=specs) (see examples/train_tensor_parallel.py)"),
+    "tensor_parallel": Key(field="tensor_parallel"),  # read by checks.tensor_parallel_fields (AutoTP)
     **{k: Key(removed=True, why=f"{what} {REMOVED}. Fix: remove \"{k}\"") for k, what in (
         ("nebula", "Nebula checkpointing"), ("compression_training", "the compression library"),
         ("amp", "NVIDIA Apex AMP (use bf16 or fp16)"), ("quantize_training", "Mixture-of-Quantization"),

@@ -205,6 +205,12 @@ FIELDS: dict[str, FieldSpec] = {f.name: f for f in (
     FieldSpec("stage", 0, integer(0, 3), _STAGE_FIX, (f"{_Z}.stage",)),
     FieldSpec("data_axis", "data", name, "name the mesh axis the batch is split over, e.g. 'data'",
               doc="no DeepSpeed key: DeepSpeed's data-parallel group is every rank"),
+    FieldSpec("autotp_size", 1, integer(1), "use 1 (off) or the devices of one tensor-parallel group, a divisor "
+              "of the device count", ("tensor_parallel.autotp_size",), key_check=lambda v: max(1, integer(0)(v)),
+              deepspeed_key_default=0, doc="AutoTP (zerojax.autotp): a ('data', 'model') mesh of world / autotp_size "
+              "x autotp_size, projections split over 'model' by name; DeepSpeed's 0 reads as 1 (off)"),
+    FieldSpec("autotp_vocab_parallel", False, boolean, "use true or false", ("tensor_parallel.vocab_parallel_lm_head",),
+              doc="AutoTP also splits the token embedding and lm_head along the vocabulary"),
     # precision
     FieldSpec("precision", "fp32", choice(*PRECISIONS), 'use "bf16" for mixed precision ("fp16" adds loss scaling)',
               ("fp16.enabled", "bf16.enabled"), key_check=boolean, deepspeed_key_default=False,

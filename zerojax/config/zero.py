@@ -28,6 +28,8 @@ class ZeroConfig:
     # --- partitioning ---------------------------------------------------------------
     stage: int = _D["stage"]
     data_axis: str = _D["data_axis"]
+    autotp_size: int = _D["autotp_size"]  # tensor-parallel devices on the "model" axis (zerojax.autotp); 1: off
+    autotp_vocab_parallel: bool = _D["autotp_vocab_parallel"]  # AutoTP also splits embedding and lm_head
     # --- precision ------------------------------------------------------------------
     precision: str = _D["precision"]  # fp32 | bf16 | fp16
     # fp16 loss scaling (DeepSpeed's fp16 block)

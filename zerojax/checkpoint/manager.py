@@ -14,6 +14,7 @@ import errno as _errno
 import os
 import re
 import shutil
+import time
 import warnings
 
 import jax
@@ -181,13 +182,27 @@ class CheckpointManager:
         self._mngr = ocp.CheckpointManager(self.directory, options=self._options)
         self._writing = None
         self._pending_16bit = [(s, d) for s, d in self._pending_16bit if s != step]
-        removed = self.cleanup()
+        removed = self._cleanup_after_failure()
         kept = self.all_steps()
         step_dir = os.path.join(self.directory, str(step))
         return CheckpointError(
             f"checkpoint step {step} could not be written to {step_dir}: {_cause(e)}. The state in memory is "
             f"unchanged; {'the partial directory was removed; ' if removed else ''}complete steps on disk: {kept}. "
             f"Fix: free space on the disk of {self.directory} (or use another directory) and save again")
+
+    def _cleanup_after_failure(self, quiet_s: float = 0.2, limit_s: float = 5.0) -> list[str]:
+        """Remove the partial directories until none reappears for ``quiet_s``: Orbax reports a
+        failed write while its other writer threads of that save may still be finishing."""
+        removed, quiet_since, start = [], time.monotonic(), time.monotonic()
+        while time.monotonic() - start < limit_s:
+            gone = self.cleanup()
+            removed += [p for p in gone if p not in removed]
+            if gone:
+                quiet_since = time.monotonic()
+            elif time.monotonic() - quiet_since >= quiet_s:
+                break
+            time.sleep(0.02)
+        return removed
 
     def _guard(self, step: int | None, fn):
         try:
@@ -209,7 +224,7 @@ class CheckpointManager:
             raise CheckpointError(f"save(step={step}): data_state must be a dict, got {type(data_state).__name__}")
         step = int(step)
         data_state = portable(dict(data_state or {}), f"save(step={step}): data_state")
-        self._settle()  # the previous write first: its failure is its own, not this step's
+        self._settle(clean=True)  # the previous write first: its failure is its own, not this step's
         tree, meta = logical_tree(state)
         meta = seal(meta, data_state)
         args = ocp.args.Composite(**{STATE: ocp.args.PyTreeSave(tree), META: ocp.args.JsonSave(meta),
@@ -221,11 +236,12 @@ class CheckpointManager:
             self._pending_16bit.append((step, "bfloat16" if cdt.itemsize == 4 else cdt.name))
         return saved
 
-    def _settle(self) -> None:
-        """Wait for the write in flight; after it succeeded, remove any partial directory left
-        by an earlier failed or killed save, then write the 16-bit copies."""
+    def _settle(self, clean: bool = False) -> None:
+        """Wait for the write in flight; once it succeeded (or with ``clean``, before a new
+        save), remove the partial directories of earlier failed or killed saves; then write
+        the 16-bit copies."""
         self._guard(self._writing, self._mngr.wait_until_finished)
-        if self._writing is not None:
+        if self._writing is not None or clean:
             self._writing = None
             self.cleanup()
         self._finish_16bit()

@@ -12,7 +12,7 @@ import orbax.checkpoint as ocp
 
 from zerojax.checkpoint.format import FORMAT, META, READABLE_FORMATS, STATE
 from zerojax.checkpoint.integrity import DATA_FILE, META_FILE, load_json, verify_data, verify_meta
-from zerojax.errors import CheckpointError
+from zerojax.errors import CheckpointError, ZeroJaxWarning
 
 __all__ = ["checkpointer", "complete", "partial_dirs", "pick_step", "read_data", "read_meta", "read_state"]
 
@@ -37,12 +37,14 @@ def _scan(directory: str, warn: bool = True) -> list[int]:
             continue
         if _TMP.match(name):
             if warn:
-                warnings.warn(f"skipping incomplete checkpoint {full} (a save that never finished)", stacklevel=3)
+                warnings.warn(f"skipping incomplete checkpoint {full} (a save that never finished)", ZeroJaxWarning,
+                              stacklevel=3)
         elif name.isdigit():
             if complete(full):
                 steps.append(int(name))
             elif warn:
-                warnings.warn(f"skipping incomplete checkpoint {full} (its metadata is missing)", stacklevel=3)
+                warnings.warn(f"skipping incomplete checkpoint {full} (its metadata is missing)", ZeroJaxWarning,
+                              stacklevel=3)
     return sorted(steps)
 
 

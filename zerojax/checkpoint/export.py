@@ -13,7 +13,7 @@ import orbax.checkpoint as ocp
 
 from zerojax.checkpoint.format import lookup, nest
 from zerojax.checkpoint.steps import checkpointer, pick_step, read_meta, read_state
-from zerojax.errors import CheckpointError
+from zerojax.errors import CheckpointError, ConfigError
 
 __all__ = ["consolidate"]
 
@@ -51,9 +51,9 @@ def consolidate(checkpoint_dir, out, dtype: str = "float32", format: str = "safe
     from tqdm.auto import tqdm
 
     if dtype not in _SAFETENSORS_DTYPES:
-        raise ValueError(f"dtype={dtype!r}: use one of {sorted(_SAFETENSORS_DTYPES)}")
+        raise ConfigError(f"dtype={dtype!r}: use one of {sorted(_SAFETENSORS_DTYPES)}")
     if format not in ("safetensors", "orbax"):
-        raise ValueError(f"format={format!r}: use 'safetensors' or 'orbax'")
+        raise ConfigError(f"format={format!r}: use 'safetensors' or 'orbax'")
     checkpoint_dir = os.path.abspath(os.fspath(checkpoint_dir))
     step = pick_step(checkpoint_dir, step)
     step_dir = os.path.join(checkpoint_dir, str(step))

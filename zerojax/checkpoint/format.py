@@ -27,8 +27,9 @@ On-disk layout (plain Orbax; ``orbax.checkpoint`` alone restores it)::
                                       "step": i32[], "loss_scale": {...}, "rng": u32[2]}; nested
                                       dicts keyed by the tree path's parts ("opt_state/0/mu/emb")
         zerojax/metadata              JSON: format, logical shape and dtype per leaf, per-leaf
-                                      checksums, and the saving run's stage / mesh / process
-                                      count / precision
+                                      checksums, the saving run's stage / mesh / process
+                                      count / precision, the data state's digest ("files")
+                                      and its own ("checksum"): see integrity.py
         data_state/metadata           JSON: the user's data_state dict ({} when none)
         model_16bit.safetensors       only with ZeroConfig(gather_16bit_weights_on_model_save=True)
 
@@ -44,8 +45,11 @@ array and slice each to the ``shape`` recorded for it in ``zerojax/metadata`` (a
 
 Crash safety. A step that is not complete (a leftover temporary directory from a killed save,
 or a step directory without its metadata) is skipped with a warning naming it; restore takes
-the newest complete step. Every leaf carries a checksum of its logical values, checked on
-restore, so a damaged or missing data file is an error, never zeros.
+the newest complete step (or, with ``step="latest_intact"``, the newest step that verifies).
+Every leaf carries a checksum of its logical values, checked on restore, and the JSON files
+carry digests, so a damaged or missing file is a CheckpointError naming it, never zeros or a
+wrong data state. A failed save (a full disk) is a CheckpointError naming the step and the
+cause; the manager goes on from the complete steps on disk (see manager.py).
 
 Several processes (``zj.distributed.initialize()``). Every process calls ``save`` and ``restore``
 with the same step; each writes and reads only the shards of its own devices, so the directory

@@ -155,6 +155,9 @@ class CheckpointManager:
                                         or max_to_keep < 1):
             raise ConfigError(f"max_to_keep={max_to_keep!r}: use a positive integer, or None to keep every step")
         self.directory = os.path.abspath(os.fspath(directory))
+        if os.path.exists(self.directory) and not os.path.isdir(self.directory):
+            raise CheckpointError(f"checkpoint directory {self.directory} is a file, not a directory. Fix: pass a "
+                                  "directory path (it is created when missing)")
         self.best_metric = best_metric
         self._options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep,

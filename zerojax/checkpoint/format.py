@@ -163,8 +163,8 @@ def layout_key(plan: ZeroPlan, opt_state) -> tuple:
     key = (plan.mesh, plan.config, tuple(plan.leaves), plan.treedef, jax.tree_util.tree_structure(opt_state), avals)
     try:
         hash(key)
-    except TypeError:  # an unhashable config value: the plan object itself (kept alive by the entry)
-        key = (id(plan), plan.treedef, jax.tree_util.tree_structure(opt_state), avals)
+    except TypeError:  # a config holding dicts (a DeepSpeed optimizer block): its text stands for it
+        key = (plan.mesh, repr(plan.config)) + key[2:]
     return key
 
 

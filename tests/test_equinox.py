@@ -135,3 +135,15 @@ def test_init_fn_wrapper_calls_a_callable_pytree():
 def test_an_init_function_returning_a_whole_model_is_refused():
     with pytest.raises(zj.ConfigError, match="the init function returned"):
         zj.shard_train_state(lambda key: mlp_with_dropout(), optax.sgd(0.1), mesh=zj.make_mesh(1))
+
+
+def test_linear_check_catches_the_callable_rule(monkeypatch):
+    """The negative control: deciding by callable(...) calls the layer on the key and fails the check."""
+    import zerojax.init_rule as rule
+    import zerojax.state as state_module
+
+    old = lambda x, where="params_or_init": (x, None) if callable(x) else (None, x)
+    monkeypatch.setattr(rule, "split_params_or_init", old)
+    monkeypatch.setattr(state_module, "split_params_or_init", old)
+    with pytest.raises(AssertionError):
+        test_a_linear_layer_is_params_not_called()

@@ -215,7 +215,7 @@ def test_latest_intact_skips_a_step_with_damaged_arrays(two_steps, tmp_path, sta
 # ----------------------------------------------------------- every failure a zerojax error
 @pytest.mark.parametrize("case", ["missing-dir", "empty-dir", "missing-step", "bad-step", "no-target",
                                   "missing-meta", "missing-data", "json-array-meta", "data-not-json",
-                                  "data-not-dict", "dir-is-a-file", "bad-best-mode", "bad-max-to-keep", "missing-metric",
+                                  "data-not-dict", "dir-is-a-file", "step-exists", "bad-best-mode", "bad-max-to-keep", "missing-metric",
                                   "mismatched-tree"])
 def test_every_failure_is_a_zerojax_error(case, two_steps, tmp_path, state):
     directory = tmp_path / "ck"
@@ -233,6 +233,7 @@ def test_every_failure_is_a_zerojax_error(case, two_steps, tmp_path, state):
                                     zj.checkpoint.restore(directory, state)),
         "data-not-json": lambda: CheckpointManager(tmp_path / "w").save(1, state, data_state={"rng": object()}),
         "data-not-dict": lambda: CheckpointManager(tmp_path / "w").save(1, state, data_state=[1, 2]),
+        "step-exists": lambda: CheckpointManager(directory).save(2, state),
         "dir-is-a-file": lambda: ((tmp_path / "f").write_text("x"), CheckpointManager(tmp_path / "f")),
         "bad-best-mode": lambda: CheckpointManager(tmp_path / "w", best_mode="lowest"),
         "bad-max-to-keep": lambda: CheckpointManager(tmp_path / "w", max_to_keep=0),

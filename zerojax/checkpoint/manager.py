@@ -188,10 +188,13 @@ class CheckpointManager:
         removed = self._cleanup_after_failure()
         kept = self.all_steps()
         step_dir = os.path.join(self.directory, str(step))
+        cause = _cause(e)
+        fix = (f"free space on the disk of {self.directory} (or use another directory)" if "ENOSPC" in cause
+               else f"check that {self.directory} is writable and reachable")
         return CheckpointError(
-            f"checkpoint step {step} could not be written to {step_dir}: {_cause(e)}. The state in memory is "
+            f"checkpoint step {step} could not be written to {step_dir}: {cause}. The state in memory is "
             f"unchanged; {'the partial directory was removed; ' if removed else ''}complete steps on disk: {kept}. "
-            f"Fix: free space on the disk of {self.directory} (or use another directory) and save again")
+            f"Fix: {fix}, then save again")
 
     def _cleanup_after_failure(self, quiet_s: float = 0.2, limit_s: float = 5.0) -> list[str]:
         """Remove the partial directories until none reappears for ``quiet_s``: Orbax reports a
@@ -228,6 +231,9 @@ class CheckpointManager:
         step = int(step)
         data_state = portable(dict(data_state or {}), f"save(step={step}): data_state")
         self._settle(clean=True)  # the previous write first: its failure is its own, not this step's
+        if step in self.all_steps():
+            raise CheckpointError(f"save(step={step}): step {step} already exists in {self.directory}. Fix: save "
+                                  "under a new step number, or delete that step's directory first")
         tree, meta = logical_tree(state)
         meta = seal(meta, data_state)
         args = ocp.args.Composite(**{STATE: ocp.args.PyTreeSave(tree), META: ocp.args.JsonSave(meta),
@@ -270,14 +276,16 @@ class CheckpointManager:
 
     def cleanup(self) -> list[str]:
         """Remove the partial directories of saves that never finished (failed, or killed) and
-        return their paths. The write in flight, if any, is left alone. Process 0 removes them."""
+        return their paths. The write in flight, if any, is left alone. Process 0 removes them
+        (the others return [])."""
+        if jax.process_index() != 0:
+            return []
         busy = self._writing
         gone = []
         for path in partial_dirs(self.directory):
             if busy is not None and os.path.basename(path).split(".")[0] == str(busy):
                 continue
-            if jax.process_index() == 0:
-                shutil.rmtree(path, ignore_errors=True)
+            shutil.rmtree(path, ignore_errors=True)
             gone.append(path)
         return gone
 

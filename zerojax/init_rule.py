@@ -25,13 +25,14 @@ from typing import Any, Callable, Optional
 import jax
 
 from zerojax.errors import ConfigError
+from zerojax.plan import path_str
 
 __all__ = ["InitFn", "check_params", "init_fn", "split_params_or_init"]
 
 _FUNCTION_TYPES = (types.FunctionType, types.MethodType, types.BuiltinFunctionType, types.BuiltinMethodType,
                    functools.partial)
 
-_NOT_AN_ARRAY = """{where}: the leaf at {path} is a {kind}, not an array. zerojax trains a pytree of arrays
+_NOT_AN_ARRAY = """{where}: param {name!r} is a {kind}, not an array (the leaf at {path}). zerojax trains a pytree of arrays
 (params) or calls an init function; a tree holding other leaves (a whole Equinox model, with its
 activation functions, dropout rates or flags) is neither. Split the arrays off and rebuild the
 model inside the loss:
@@ -88,7 +89,8 @@ def check_params(tree, where: str) -> None:
         return
     path, leaf = bad
     kind = "function" if callable(leaf) else f"{type(leaf).__name__} ({leaf!r})"
-    raise ConfigError(_NOT_AN_ARRAY.format(where=where, path=jax.tree_util.keystr(path) or "the root", kind=kind))
+    raise ConfigError(_NOT_AN_ARRAY.format(where=where, name=path_str(path), kind=kind,
+                                           path=jax.tree_util.keystr(path) or "the root"))
 
 
 def split_params_or_init(params_or_init, where: str = "params_or_init") -> tuple[Optional[Callable], Any]:

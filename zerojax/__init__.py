@@ -45,6 +45,7 @@ from zerojax.config import TrainingArgs as TrainingArgs
 from zerojax.config import ZeroConfig as ZeroConfig
 from zerojax.config import optimizer_from_config as optimizer_from_config
 from zerojax.config import schedules as schedules
+from zerojax.init_rule import init_fn as init_fn
 from zerojax.mesh import make_mesh as make_mesh
 from zerojax.plan import LeafLayout as LeafLayout
 from zerojax.plan import ZeroPlan as ZeroPlan
@@ -54,7 +55,7 @@ from zerojax.state import TrainState as TrainState
 from zerojax.state import abstract_train_state as abstract_train_state
 from zerojax.state import shard_train_state as shard_train_state
 
-__all__ += ["TrainingArgs", "ZeroConfig", "optimizer_from_config", "schedules", "make_mesh", "LeafLayout",
+__all__ += ["TrainingArgs", "ZeroConfig", "optimizer_from_config", "schedules", "init_fn", "make_mesh", "LeafLayout",
             "ZeroPlan", "LossScaler", "LossScalerState", "TrainState", "abstract_train_state", "shard_train_state"]
 
 # step

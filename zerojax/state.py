@@ -12,6 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 import zerojax.placement as placement
 from zerojax.config import ZeroConfig
+from zerojax.init_rule import abstract_params, split_params_or_init
 from zerojax.low_precision import opt_for_storage
 from zerojax.mesh import make_mesh
 from zerojax.offload.partial import check_split
@@ -106,7 +107,9 @@ def shard_train_state(
 ) -> TrainState:
     """Place params and a fresh optimizer state in the layout of ``config.stage``.
 
-    ``params_or_init`` is a params tree (arrays, numpy arrays) or ``init_fn(rng) -> params``;
+    ``params_or_init`` is a params tree (arrays, numpy arrays) or ``init_fn(rng) -> params``
+    (a callable pytree of arrays, such as an Equinox module, is params; see
+    :mod:`zerojax.init_rule`, and ``zj.init_fn(f)`` to mark an init function);
     with an init function the model is created directly in its sharded layout, so the whole
     model never has to exist on one device. ``param_specs`` (a tree of PartitionSpec) or the
     arrays' own NamedShardings give model-parallel annotations; the data axis is added on top.
@@ -118,12 +121,8 @@ def shard_train_state(
     config = ZeroConfig() if config is None else config
     rng = jax.random.PRNGKey(0) if rng is None else rng
     init_key, state_key = jax.random.split(rng)
-    if callable(params_or_init):
-        init_fn = params_or_init
-        abstract = jax.eval_shape(init_fn, init_key)
-    else:
-        init_fn = None
-        abstract = params_or_init
+    init_fn, _ = split_params_or_init(params_or_init)
+    abstract = abstract_params(params_or_init, init_key)
     plan = ZeroPlan.create(abstract, mesh, config, param_specs=param_specs)
     check_split(plan, tx)
     build = _build_fn(plan, tx)
@@ -158,9 +157,7 @@ def abstract_train_state(params_or_init, tx: optax.GradientTransformation, *, me
     """
     mesh = make_mesh() if mesh is None else mesh
     config = ZeroConfig() if config is None else config
-    if callable(params_or_init):
-        params_or_init = jax.eval_shape(params_or_init, jax.random.PRNGKey(0))
-    plan = ZeroPlan.create(params_or_init, mesh, config, param_specs=param_specs)
+    plan = ZeroPlan.create(abstract_params(params_or_init), mesh, config, param_specs=param_specs)
     check_split(plan, tx)
     sh = state_shardings(plan, tx)
     abstract_full = plan.map(lambda lay: jax.ShapeDtypeStruct(lay.shape, lay.dtype))

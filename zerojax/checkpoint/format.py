@@ -27,8 +27,9 @@ On-disk layout (plain Orbax; ``orbax.checkpoint`` alone restores it)::
                                       "step": i32[], "loss_scale": {...}, "rng": u32[2]}; nested
                                       dicts keyed by the tree path's parts ("opt_state/0/mu/emb")
         zerojax/metadata              JSON: format, logical shape and dtype per leaf, per-leaf
-                                      checksums, and the saving run's stage / mesh / process
-                                      count / precision
+                                      checksums, the saving run's stage / mesh / process
+                                      count / precision, the data state's digest ("files")
+                                      and its own ("checksum"): see integrity.py
         data_state/metadata           JSON: the user's data_state dict ({} when none)
         model_16bit.safetensors       only with ZeroConfig(gather_16bit_weights_on_model_save=True)
 
@@ -44,8 +45,11 @@ array and slice each to the ``shape`` recorded for it in ``zerojax/metadata`` (a
 
 Crash safety. A step that is not complete (a leftover temporary directory from a killed save,
 or a step directory without its metadata) is skipped with a warning naming it; restore takes
-the newest complete step. Every leaf carries a checksum of its logical values, checked on
-restore, so a damaged or missing data file is an error, never zeros.
+the newest complete step (or, with ``step="latest_intact"``, the newest step that verifies).
+Every leaf carries a checksum of its logical values, checked on restore, and the JSON files
+carry digests, so a damaged or missing file is a CheckpointError naming it, never zeros or a
+wrong data state. A failed save (a full disk) is a CheckpointError naming the step and the
+cause; the manager goes on from the complete steps on disk (see manager.py).
 
 Several processes (``zj.distributed.initialize()``). Every process calls ``save`` and ``restore``
 with the same step; each writes and reads only the shards of its own devices, so the directory
@@ -60,6 +64,7 @@ into ``DIR/<step>/model_16bit.safetensors`` (the compute dtype, or bfloat16 unde
 """
 from __future__ import annotations
 
+import collections
 from typing import Any
 
 import jax
@@ -76,7 +81,9 @@ from zerojax.state import TrainState, state_shardings
 
 __all__ = ["FORMAT", "logical_tree"]
 
-FORMAT = 1
+FORMAT = 2  # 2: the JSON files are checksummed too (zerojax.checkpoint.integrity)
+READABLE_FORMATS = (1, 2)
+MISMATCH = "the checkpoint does not match the target state"
 STATE, META, DATA = "state", "zerojax", "data_state"
 SAFETENSORS_16BIT = "model_16bit.safetensors"
 
@@ -141,15 +148,45 @@ def _scaler_dict(loss_scale) -> dict:
     return dict(loss_scale._asdict())
 
 
-# -------------------------------------------------------------------------------- save
-def logical_tree(state: TrainState):
-    """(tree, metadata) written for ``state``: see the module docstring. Leaves stay split."""
-    plan = state.plan
-    homes = state_shardings(plan, state.tx)
-    # the fp32 master when the state has one (not when the step keeps it: NVMe, ZenFlow)
-    with_master = state.master is not None
-    src, src_homes = (state.master, homes.master) if with_master else (state.params, homes.params)
-    opt = _opt_entries(plan, state.opt_state)
+# ----------------------------------------------------------------- compiled programs
+# A save or restore runs one jitted program per state layout. They are kept here, keyed by the
+# layout, so a steady-state save costs the copy and the write rather than a fresh trace and
+# compile (a new closure per call would miss jax's own cache every time).
+_PROGRAMS: "collections.OrderedDict[Any, Any]" = collections.OrderedDict()
+_MAX_PROGRAMS = 32
+program_misses = 0  # programs built (cache misses), read by the tests
+
+
+def layout_key(plan: ZeroPlan, opt_state) -> tuple:
+    """What a save or restore program depends on: the plan's mesh, config and leaf layouts and
+    the optimizer state's structure, shapes and dtypes (the memory kinds follow from them)."""
+    avals = tuple((tuple(x.shape), np.dtype(x.dtype).name) for x in jax.tree_util.tree_leaves(opt_state))
+    key = (plan.mesh, plan.config, tuple(plan.leaves), plan.treedef, jax.tree_util.tree_structure(opt_state), avals)
+    try:
+        hash(key)
+    except TypeError:  # a config holding dicts (a DeepSpeed optimizer block): its text stands for it
+        key = (plan.mesh, repr(plan.config)) + key[2:]
+    return key
+
+
+def cached_program(key, make):
+    global program_misses
+    program = _PROGRAMS.get(key)
+    if program is None:
+        program_misses += 1
+        program = _PROGRAMS[key] = make()
+        while len(_PROGRAMS) > _MAX_PROGRAMS:
+            _PROGRAMS.popitem(last=False)
+    else:
+        _PROGRAMS.move_to_end(key)
+    return program
+
+
+def _save_program(plan: ZeroPlan, tx, with_master: bool, opt, scaler_keys):
+    """The jitted state -> (logical tree, checksums) of a save; closes over layouts only."""
+    homes = state_shardings(plan, tx)
+    src_homes = homes.master if with_master else homes.params
+    opt_meta = [(path, lay) for path, _, lay in opt]
     opt_homes = jax.tree_util.tree_leaves(homes.opt_state)
 
     def build(src, opt_leaves, step, loss_scale, rng):
@@ -160,7 +197,7 @@ def logical_tree(state: TrainState):
             params[lay.path] = placement.pad(logical, lay) if _disk_split(plan, lay) else logical
             sums["params/" + lay.path] = _checksum(logical)
         opt_out = {}
-        for (path, _, lay), x, home in zip(opt, opt_leaves, opt_homes):
+        for (path, lay), x, home in zip(opt_meta, opt_leaves, opt_homes):
             if home.memory_kind not in (None, "device"):
                 x = jax.device_put(x, _device(home))
             if lay is not None:
@@ -178,14 +215,26 @@ def logical_tree(state: TrainState):
         return jax.tree_util.tree_map(lambda a: jnp.array(a, copy=True), tree), sums
 
     rep = NamedSharding(plan.mesh, P())
-    opt_out_sh = {}
-    for (path, x, lay), home in zip(opt, opt_homes):
-        opt_out_sh[path] = _disk_sharding(plan, lay) if lay is not None else _device(home)
+    opt_out_sh = {path: _disk_sharding(plan, lay) if lay is not None else _device(home)
+                  for (path, lay), home in zip(opt_meta, opt_homes)}
     out_sh = ({"params": {lay.path: _disk_sharding(plan, lay) for lay in plan.leaves},
-               "opt_state": opt_out_sh, "step": rep,
-               "loss_scale": {k: rep for k in _scaler_dict(state.loss_scale)}, "rng": rep}, rep)
+               "opt_state": opt_out_sh, "step": rep, "loss_scale": {k: rep for k in scaler_keys}, "rng": rep}, rep)
+    return jax.jit(build, out_shardings=out_sh)
+
+
+# -------------------------------------------------------------------------------- save
+def logical_tree(state: TrainState):
+    """(tree, metadata) written for ``state``: see the module docstring. Leaves stay split."""
+    plan = state.plan
+    # the fp32 master when the state has one (not when the step keeps it: NVMe, ZenFlow)
+    with_master = state.master is not None
+    opt = _opt_entries(plan, state.opt_state)
+    key = ("save", with_master, tuple(_scaler_dict(state.loss_scale))) + layout_key(plan, state.opt_state)
+    program = cached_program(key, lambda: _save_program(plan, state.tx, with_master, opt,
+                                                        tuple(_scaler_dict(state.loss_scale))))
+    src = state.master if with_master else state.params
     opt_leaves = [x for _, x, _ in opt]
-    flat, sums = jax.jit(build, out_shardings=out_sh)(src, opt_leaves, state.step, state.loss_scale, state.rng)
+    flat, sums = program(src, opt_leaves, state.step, state.loss_scale, state.rng)
     meta = {
         "format": FORMAT,
         "saved_with": {"stage": plan.stage, "devices": plan.n, "processes": jax.process_count(),
@@ -215,7 +264,7 @@ def _check_target(meta: dict, plan: ZeroPlan, opt) -> None:
                 problems.append(f"  {kind}/{k}: checkpoint shape {have[k]}, target shape {tuple(want[k])}")
     if problems:
         raise CheckpointError(
-            "the checkpoint does not match the target state:\n" + "\n".join(problems) +
+            MISMATCH + ":\n" + "\n".join(problems) +
             "\nBuild the target from the same model and optimizer that were saved "
             "(zj.abstract_train_state(init_fn, tx, mesh=..., config=...)).")
 
@@ -250,10 +299,24 @@ def restore_spec(meta: dict, target: TrainState):
 def relayout(restored: dict, target: TrainState, opt, homes):
     """Restored logical arrays -> the target's ZeRO layout, dtypes and memory kinds; plus checksums."""
     plan = target.plan
-    cdt = plan.compute_dtype
     flat_params = {lay.path: lookup(restored["params"], lay.path) for lay in plan.leaves}
     flat_opt = [lookup(restored["opt_state"], p) for p, _, _ in opt]
-    target_dtypes = [x.dtype for _, x, _ in opt]
+    with_master = target.master is not None
+    key = ("restore", with_master, type(target.loss_scale)) + layout_key(plan, target.opt_state)
+    program = cached_program(key, lambda: _restore_program(plan, opt, homes, with_master,
+                                                           jax.tree_util.tree_structure(target.opt_state),
+                                                           type(target.loss_scale)))
+    (step, params, master, opt_state, scaler, rng), sums = program(
+        flat_params, flat_opt, restored["step"], restored["loss_scale"], restored["rng"])
+    state = TrainState(step=step, params=params, master=master, opt_state=opt_state, loss_scale=scaler,
+                       rng=rng, plan=plan, tx=target.tx)
+    return state, sums
+
+
+def _restore_program(plan: ZeroPlan, opt, homes, with_master: bool, opt_treedef, scaler_type):
+    """The jitted (restored logical arrays) -> (state parts, checksums); closes over layouts only."""
+    cdt = plan.compute_dtype
+    opt_meta = [(path, lay, x.dtype) for path, x, lay in opt]
 
     def build(flat_params, flat_opt, step, loss_scale, rng):
         sums = {}
@@ -264,7 +327,7 @@ def relayout(restored: dict, target: TrainState, opt, homes):
             params.append(placement.pad(logical.astype(cdt), lay) if lay.params_partitioned else logical.astype(cdt))
             master.append(placement.pad(logical, lay) if plan.opt_partitioned(lay) else logical)
         opt_leaves = []
-        for (path, _, lay), x, dt in zip(opt, flat_opt, target_dtypes):
+        for (path, lay, dt), x in zip(opt_meta, flat_opt):
             if lay is not None:
                 x = placement.unpad(x, lay)
                 sums["opt_state/" + path] = _checksum(x)
@@ -273,19 +336,14 @@ def relayout(restored: dict, target: TrainState, opt, homes):
                 sums["opt_state/" + path] = _checksum(x)
             opt_leaves.append(x.astype(dt))
         params = plan.treedef.unflatten(params)
-        master = plan.treedef.unflatten(master) if target.master is not None else None
-        opt_state = jax.tree_util.tree_structure(target.opt_state).unflatten(opt_leaves)
-        scaler = type(target.loss_scale)(**loss_scale)
-        return (step, params, master, opt_state, scaler, rng), sums
+        master = plan.treedef.unflatten(master) if with_master else None
+        opt_state = opt_treedef.unflatten(opt_leaves)
+        return (step, params, master, opt_state, scaler_type(**loss_scale), rng), sums
 
     # checksums replicated: every process reads them (another process's shard cannot be fetched)
     out_sh = ((homes.step, homes.params, homes.master, homes.opt_state, homes.loss_scale, homes.rng),
               NamedSharding(plan.mesh, P()))
-    (step, params, master, opt_state, scaler, rng), sums = jax.jit(build, out_shardings=out_sh)(
-        flat_params, flat_opt, restored["step"], restored["loss_scale"], restored["rng"])
-    state = TrainState(step=step, params=params, master=master, opt_state=opt_state, loss_scale=scaler,
-                       rng=rng, plan=plan, tx=target.tx)
-    return state, sums
+    return jax.jit(build, out_shardings=out_sh)
 
 
 def lookup(tree: dict, path: str):

@@ -1,8 +1,8 @@
-"""The steps on disk: which are complete (an interrupted save is skipped with a warning), and
-reading one step's metadata and state item with Orbax."""
+"""The steps on disk: which are complete (an interrupted save is skipped with a warning), the
+partial directories failed or killed saves leave, and reading one step's metadata, data state
+and state item (the JSON files verified against their checksums)."""
 from __future__ import annotations
 
-import json
 import os
 import re
 import warnings
@@ -10,10 +10,11 @@ import warnings
 import jax
 import orbax.checkpoint as ocp
 
-from zerojax.checkpoint.format import FORMAT, META, STATE
-from zerojax.errors import CheckpointError
+from zerojax.checkpoint.format import FORMAT, META, READABLE_FORMATS, STATE
+from zerojax.checkpoint.integrity import DATA_FILE, META_FILE, load_json, verify_data, verify_meta
+from zerojax.errors import CheckpointError, ZeroJaxWarning
 
-__all__ = ["checkpointer", "complete", "pick_step", "read_meta", "read_state"]
+__all__ = ["checkpointer", "complete", "partial_dirs", "pick_step", "read_data", "read_meta", "read_state"]
 
 _TMP = re.compile(r"^(\d+)\.orbax-checkpoint-tmp")
 
@@ -27,7 +28,8 @@ def complete(step_dir: str) -> bool:
 def _scan(directory: str, warn: bool = True) -> list[int]:
     """Complete steps in ``directory``, warning about every incomplete one found."""
     if not os.path.isdir(directory):
-        raise FileNotFoundError(f"checkpoint directory {directory!r} does not exist")
+        raise CheckpointError(f"checkpoint directory {directory!r} does not exist (or is not a directory). "
+                              "Fix: check the path, or save a step there first")
     steps = []
     for name in sorted(os.listdir(directory)):
         full = os.path.join(directory, name)
@@ -35,12 +37,14 @@ def _scan(directory: str, warn: bool = True) -> list[int]:
             continue
         if _TMP.match(name):
             if warn:
-                warnings.warn(f"skipping incomplete checkpoint {full} (a save that never finished)", stacklevel=3)
+                warnings.warn(f"skipping incomplete checkpoint {full} (a save that never finished)", ZeroJaxWarning,
+                              stacklevel=3)
         elif name.isdigit():
             if complete(full):
                 steps.append(int(name))
             elif warn:
-                warnings.warn(f"skipping incomplete checkpoint {full} (its metadata is missing)", stacklevel=3)
+                warnings.warn(f"skipping incomplete checkpoint {full} (its metadata is missing)", ZeroJaxWarning,
+                              stacklevel=3)
     return sorted(steps)
 
 
@@ -48,19 +52,39 @@ def pick_step(directory: str, step: int | None) -> int:
     steps = _scan(directory)
     if step is None:
         if not steps:
-            raise FileNotFoundError(f"no complete checkpoint in {directory!r}")
+            raise CheckpointError(f"no complete checkpoint in {directory!r}")
         return steps[-1]
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise CheckpointError(f"step={step!r}: pass a step number, None (the newest complete step) or "
+                              "'latest_intact' (the newest step that verifies)")
     if step not in steps:
-        raise FileNotFoundError(f"no complete checkpoint for step {step} in {directory!r}; complete steps: {steps}")
+        raise CheckpointError(f"no complete checkpoint for step {step} in {directory!r}; complete steps: {steps}")
     return step
 
 
+def partial_dirs(directory: str) -> list[str]:
+    """The temporary directories of saves that never finished (failed or killed) in ``directory``."""
+    if not os.path.isdir(directory):
+        return []
+    return sorted(os.path.join(directory, n) for n in os.listdir(directory)
+                  if _TMP.match(n) and os.path.isdir(os.path.join(directory, n)))
+
+
 def read_meta(step_dir: str) -> dict:
-    with open(os.path.join(step_dir, META, "metadata")) as f:
-        meta = json.load(f)
-    if meta.get("format") != FORMAT:
-        raise CheckpointError(f"{step_dir}: checkpoint format {meta.get('format')!r}, this zerojax reads {FORMAT}")
+    path = os.path.join(step_dir, META_FILE)
+    meta = verify_meta(load_json(path), path)
+    if meta.get("format") not in READABLE_FORMATS:
+        raise CheckpointError(f"{step_dir}: checkpoint format {meta.get('format')!r}, this zerojax reads "
+                              f"{list(READABLE_FORMATS)} (writes {FORMAT})")
     return meta
+
+
+def read_data(step_dir: str, meta: dict) -> dict:
+    """The step's data state, checked against its digest in ``meta``; {} for an old step without one."""
+    path = os.path.join(step_dir, DATA_FILE)
+    if meta.get("format", 1) < 2 and not os.path.isfile(path):
+        return {}
+    return verify_data(meta, load_json(path), path)
 
 
 def _this_process_only() -> ocp.options.MultiprocessingOptions:

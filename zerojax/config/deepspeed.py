@@ -99,19 +99,86 @@ def resolve_batch(train_batch_size, micro_batch, grad_acc, world_size: int) -> t
 
 
 # --------------------------------------------------------------------------- reading
+class _DuplicateKey(Exception):
+    """A key given twice in one JSON object; ``path`` is its dotted path."""
+
+    def __init__(self, path: str):
+        super().__init__(path)
+        self.path = path
+
+
+def _refuse_duplicates(pairs: list) -> dict:
+    """``object_pairs_hook`` that refuses a key given twice in one object, as DeepSpeed does.
+
+    Inner objects are built first, so a duplicate deeper down has already raised with its own
+    key; the dotted path is completed on the way out by :func:`_parse`."""
+    out: dict = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
+
+
+def _dotted_path(text: str, key: str) -> str:
+    """The dotted path of the first object in ``text`` that holds ``key`` twice (the keys of the
+    enclosing objects, list indices as numbers), found by re-reading the text as key/value pairs."""
+    decoder = json.JSONDecoder(object_pairs_hook=lambda pairs: pairs)
+    path: list[str] = []
+
+    def walk(node, prefix):
+        if isinstance(node, list) and all(isinstance(p, tuple) and len(p) == 2 for p in node):
+            seen = set()
+            for k, v in node:
+                if k in seen and k == key:
+                    path.extend(prefix + [k])
+                    return True
+                seen.add(k)
+                if walk(v, prefix + [k]):
+                    return True
+        elif isinstance(node, list):
+            for i, v in enumerate(node):
+                if walk(v, prefix + [str(i)]):
+                    return True
+        return False
+
+    try:
+        walk(decoder.decode(text), [])
+    except ValueError:
+        pass
+    return ".".join(path) or key
+
+
+def _parse(text: str, where: str) -> dict:
+    try:
+        return json.loads(text, object_pairs_hook=_refuse_duplicates)
+    except _DuplicateKey as e:
+        raise ConfigError(f"Duplicate keys in DeepSpeed config {where}: {_dotted_path(text, e.path)!r} is given "
+                          "twice in the same object; DeepSpeed refuses such a file. Fix: keep one of the two "
+                          "entries") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{where}: not valid JSON ({e})") from None
+
+
 def _load(path_or_dict) -> dict:
     if isinstance(path_or_dict, dict):
-        raw = copy.deepcopy(path_or_dict)
+        raw, where = copy.deepcopy(path_or_dict), "the config dict"
     else:
+        where = os.fspath(path_or_dict)
         try:
-            with open(os.fspath(path_or_dict)) as f:
-                raw = json.load(f)
+            with open(where, "rb") as f:
+                data = f.read()
         except OSError as e:
-            raise ConfigError(f"cannot read DeepSpeed config {path_or_dict!r}: {e}") from None
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path_or_dict}: not valid JSON ({e})") from None
+            raise ConfigError(f"cannot read DeepSpeed config {where!r}: {e}") from None
+        try:
+            text = data.decode("utf-8-sig")  # a byte-order mark is tolerated, as json.load does
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"DeepSpeed config {where!r} is not UTF-8 text: byte 0x{data[e.start]:02x} at offset "
+                              f"{e.start} cannot be decoded ({e.reason}). Fix: save the file as UTF-8 (for example "
+                              f"`iconv -f latin1 -t utf-8`)") from None
+        raw, where = _parse(text, repr(where)), repr(where)
     if not isinstance(raw, dict):
-        raise ConfigError(f"a DeepSpeed config is a JSON object, got {type(raw).__name__}")
+        raise ConfigError(f"a DeepSpeed config is a JSON object, {where} holds a {type(raw).__name__}")
     return raw
 
 

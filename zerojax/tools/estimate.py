@@ -28,6 +28,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
 from zerojax.config import ZeroConfig
 from zerojax.errors import ConfigError
+from zerojax.init_rule import abstract_params
 from zerojax.low_precision import opt_storage_dtype
 from zerojax.plan import ZeroPlan
 from zerojax.stages.zeropp import secondary_bytes
@@ -398,8 +399,7 @@ def estimate(params_or_shapes, mesh_or_device_count, config: Optional[ZeroConfig
     config = ZeroConfig() if config is None else config
     if not isinstance(config, ZeroConfig):
         raise ConfigError(f"config={config!r} is not a ZeroConfig: pass zj.ZeroConfig(stage=..., precision=...)")
-    if callable(params_or_shapes):
-        params_or_shapes = jax.eval_shape(params_or_shapes, jax.random.PRNGKey(0))
+    params_or_shapes = abstract_params(params_or_shapes, where="params_or_shapes")
     mesh = as_mesh(mesh_or_device_count, config)
     plan = ZeroPlan.create(params_or_shapes, mesh, config, param_specs=param_specs)
     report = report_from_arrays(plan_arrays(plan, tx), mesh)

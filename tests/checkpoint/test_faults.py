@@ -5,7 +5,6 @@ import errno
 import os
 import shutil
 import subprocess
-import uuid
 
 import jax
 import numpy as np
@@ -279,7 +278,8 @@ def test_save_and_restore_compile_once_per_layout(tmp_path):
             jax.block_until_ready(mngr.restore(target, step=k + 1)[0])
         per_restore.append(list(seen))
     mngr.close()
-    assert per_save[0] and per_restore[0], (per_save, per_restore)  # the counter sees compiles
+    # the first save and restore may find their programs compiled by another test of the same layout;
+    # that the counter sees compiles at all is the negative control's (below)
     assert per_save[1:] == [[], []] and per_restore[1:] == [[], []], (per_save, per_restore)
 
 

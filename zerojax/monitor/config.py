@@ -10,7 +10,8 @@ import dataclasses
 import os
 from typing import Callable, Optional, Union
 
-from zerojax.config.checks import read_monitors
+from zerojax.config.checks import read_block, read_monitors
+from zerojax.config.keys import TOP
 from zerojax.config.deepspeed import _load
 from zerojax.config.verdicts import Verdicts
 from zerojax.errors import ConfigError
@@ -150,6 +151,12 @@ class Monitors:
         _need(isinstance(self.wall_clock_breakdown, bool),
               f"Monitors.wall_clock_breakdown={self.wall_clock_breakdown!r} is invalid", "use True or False")
 
+    def check_packages(self) -> None:
+        """A ConfigError naming the extra to install for a writer whose package is missing."""
+        from zerojax.monitor.writers import check_packages
+
+        check_packages(self)
+
     @property
     def writers(self) -> tuple:
         """The writer settings that are on."""
@@ -167,8 +174,10 @@ class Monitors:
         ``wandb``, ``comms_logger`` and ``flops_profiler`` blocks (those with ``"enabled":
         true``), ``steps_per_print`` and ``wall_clock_breakdown``. A refused key (a typo in a
         block, ``comet`` on) is a ConfigError. ``kw``: further fields (e.g. ``print_fn``)."""
-        v = Verdicts()
-        got = read_monitors(_load(config), v)
+        v, raw = Verdicts(), _load(config)
+        got = read_monitors(raw, v)
+        if "comet" in raw:  # refused unless off
+            read_block({"comet": raw["comet"]}, {"comet": TOP["comet"]}, "", v)
         v.raise_refused()
         path = {k: got[k] for k in ("tensorboard", "csv_monitor") if k in got}
         wandb, comms, flops = got.get("wandb"), got.get("comms_logger"), got.get("flops_profiler")
@@ -196,5 +205,8 @@ def monitors_for(config, monitors: Optional[Monitors]) -> Optional[Monitors]:
             raise ConfigError("monitors= was passed and the DeepSpeed config turns monitors on too "
                               "(steps_per_print, wall_clock_breakdown or an enabled monitor block). Fix: keep one: "
                               "remove those keys from the config, or do not pass monitors=")
-        return from_file
-    return monitors if monitors is not None and monitors.active else None
+        monitors = from_file
+    if monitors is None or not monitors.active:
+        return None
+    monitors.check_packages()  # before any state is built
+    return monitors

@@ -17,7 +17,7 @@ import os
 
 from zerojax.errors import ConfigError
 
-__all__ = ["CSVWriter", "TensorBoardWriter", "WandbWriter", "open_writers"]
+__all__ = ["CSVWriter", "TensorBoardWriter", "WandbWriter", "check_packages", "open_writers"]
 
 
 def _import(module: str, block: str, extra: str):
@@ -91,13 +91,18 @@ class WandbWriter:
         self.run.finish()
 
 
-def open_writers(monitors) -> list:
-    """The writers ``monitors`` turns on (a ConfigError naming the extra when a package is
-    missing; nothing is opened then)."""
+def check_packages(monitors) -> None:
+    """A ConfigError naming the extra to install when a writer's package is missing."""
     if monitors.tensorboard is not None:
         _import("tensorboardX", "tensorboard", "tensorboard")
     if monitors.wandb is not None:
         _import("wandb", "wandb", "wandb")
+
+
+def open_writers(monitors) -> list:
+    """The writers ``monitors`` turns on (a ConfigError naming the extra when a package is
+    missing; nothing is opened then)."""
+    check_packages(monitors)
     out = []
     if monitors.csv is not None:
         out.append(CSVWriter(monitors.csv.log_dir))

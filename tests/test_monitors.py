@@ -13,6 +13,7 @@ import importlib
 import json
 import os
 import struct
+import time
 
 import jax
 import numpy as np
@@ -28,6 +29,11 @@ from zerojax.monitor import (CommsLogger, CSVMonitor, FlopsProfiler, MonitoredSt
                              WandbMonitor)
 
 TB = 16  # train_batch_size: 8 devices x 2
+
+
+def params():
+    """The tiny model's params as host arrays (zj.initialize then compiles no init function)."""
+    return jax.tree_util.tree_map(np.asarray, init_params(jax.random.PRNGKey(0)))
 
 
 def ds_config(out, **extra):
@@ -70,7 +76,18 @@ def tensorboard_scalars(log_dir):
 
 def wandb_history(run_file, block=32768):
     """The history rows of a wandb run file: a record log (":W&B" header, then blocks of
-    records, each crc32 / length / type) of wandb's Record protobufs."""
+    records, each crc32 / length / type) of wandb's Record protobufs. wandb's own process
+    writes the file, and may still be writing it after ``finish`` returns: this waits (up to
+    a minute) for the run's exit record."""
+    for _ in range(600):
+        rows, ended = _wandb_records(run_file, block)
+        if ended:
+            return rows
+        time.sleep(0.1)
+    raise AssertionError(f"{run_file} has no exit record")
+
+
+def _wandb_records(run_file, block):
     from wandb.proto import wandb_internal_pb2 as pb
 
     data = open(run_file, "rb").read()
@@ -88,10 +105,13 @@ def wandb_history(run_file, block=32768):
         if kind in (1, 4):  # a full record, or the last piece of one
             record = pb.Record.FromString(chunks)
             chunks = b""
-            if record.WhichOneof("record_type") == "history":
+            kind = record.WhichOneof("record_type")
+            if kind == "history":
                 rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
                              for item in record.history.item})
-    return rows
+            elif kind == "exit":
+                return rows, True
+    return rows, False
 
 
 def run_steps(step, state, n=6):
@@ -103,12 +123,13 @@ def run_steps(step, state, n=6):
 
 
 # --------------------------------------------------------------------------- the writers
+@pytest.mark.slow  # wandb starts its own process; about 30 s on a loaded 2-core machine
 def test_initialize_writes_csv_tensorboard_and_wandb_as_the_step_returned(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb_dir"))
     cfg = ds_config(tmp_path, wandb={"enabled": True, "project": "zj-test", "group": "g"})
-    state, step = zj.initialize(init_params, loss_fn, cfg)
+    state, step = zj.initialize(params(), loss_fn, cfg)
     assert isinstance(step.step, MonitoredStep)
     loss_csv = tmp_path / "csv_job" / "Train_Samples_train_loss.csv"
     metrics = []
@@ -181,6 +202,8 @@ def test_progress_lines_and_wall_clock_breakdown(tmp_path):
     assert all(0 < d <= b for d, b in zip(dispatch_ms, batch_ms))
     rows = read_csv(tmp_path / "t" / "Train_Samples_elapsed_time_ms_train_batch.csv")[1]
     assert [round(v, 2) for _, v in rows] == batch_ms
+    assert read_csv(tmp_path / "t" / "Train_Samples_train_loss.csv")[1] == [(TB * (k + 1), m["loss"])
+                                                                           for k, m in enumerate(metrics)]
 
 
 # --------------------------------------------------------------------------- comms and FLOPs
@@ -259,7 +282,7 @@ def test_bad_monitor_keys_are_refused_by_name(cfg, match):
 def test_comet_off_is_fine_and_monitors_given_twice_are_refused(tmp_path):
     assert not Monitors.from_deepspeed({"comet": {"enabled": False}}).active
     with pytest.raises(ConfigError, match="monitors= was passed and the DeepSpeed config"):
-        zj.initialize(init_params, loss_fn, ds_config(tmp_path), monitors=Monitors(steps_per_print=1))
+        zj.initialize(params(), loss_fn, ds_config(tmp_path), monitors=Monitors(steps_per_print=1))
     with pytest.raises(ConfigError, match="prof_ops"):
         CommsLogger(prof_all=False, prof_ops=("allreduce",))
 
@@ -277,7 +300,7 @@ def test_a_missing_package_is_a_config_error_naming_the_extra(tmp_path, monkeypa
     monkeypatch.setattr(importlib, "import_module", fake)
     cfg = ds_config(tmp_path, **{block: {"enabled": True}})
     with pytest.raises(ConfigError, match=rf"needs the {module} package.*pip install 'zerojax\[{extra}\]'"):
-        zj.initialize(init_params, loss_fn, cfg)  # before the state is built
+        zj.initialize(params(), loss_fn, cfg)  # before the state is built
     assert not (tmp_path / "csv_job").exists()  # nothing opened
 
 

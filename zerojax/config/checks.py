@@ -116,6 +116,8 @@ def read_top(cfg: dict, v: Verdicts) -> None:
     near-miss of a known key; keys starting with "_" are comments."""
     read_monitors(cfg, v)
     for key, value in cfg.items():
+        if key in MONITORS:
+            continue
         if key in TOP and TOP[key].honoured:
             if key in _BLOCKS:
                 v.honour(key, f"read by zerojax (the {key} block)")
@@ -144,6 +146,9 @@ def read_monitors(cfg: dict, v: Verdicts) -> dict:
         if key not in cfg:
             continue
         value = cfg[key]
+        if value == "auto":  # nothing fills it: DeepSpeed's default, which zerojax leaves off
+            v.ignore(key, '"auto" in a monitor key: DeepSpeed\'s default, as DeepSpeed drops it; nothing monitored')
+            continue
         if isinstance(table, Key):
             out.update(read_block({key: value}, {key: table}, "", v))
             continue

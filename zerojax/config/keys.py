@@ -271,7 +271,7 @@ MONITORS: dict = {
         top_modules=_ignored(1, integer(), _PER_MODULE),
         recompute_fwd_factor=_ignored(0.0, number(0), "XLA counts the recomputation the compiled step does")),
 }
-_MONITOR_KEY = Key(field=_MON)  # TOP's entry for each: read_top hands them to checks.read_monitors
+_MONITOR_KEY = Key(why=f"read by {_MON}")  # TOP's entry for each: read_top hands them to checks.read_monitors
 
 _FIELD_KEYS = {spec.keys[0]: Key(spec.key_default, spec.ds_check, spec.name)
                for spec in FIELDS.values() if len(spec.keys) == 1 and "." not in spec.keys[0]

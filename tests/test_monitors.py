@@ -133,18 +133,17 @@ def test_initialize_writes_csv_tensorboard_and_wandb_as_the_step_returned(tmp_pa
     assert isinstance(step.step, MonitoredStep)
     loss_csv = tmp_path / "csv_job" / "Train_Samples_train_loss.csv"
     metrics = []
-    for k, b in enumerate(batches(6, TB)):
+    for b in batches(6, TB):
         state, m = step(state, b)
         metrics.append({key: float(x) for key, x in m.items()})
-        # the step never waits on its own metrics: step k's row is written during step k + 1
-        assert len(read_csv(loss_csv)[1]) == k if k else not loss_csv.exists()
-    state = step.finish(state)  # writes the last step
+    state = step.finish(state)  # waits until every step is written
+    assert len(read_csv(loss_csv)[1]) == 6
     step.close()
     losses = [m["loss"] for m in metrics]
     samples = [TB * (k + 1) for k in range(6)]
     assert len(set(losses)) == 6
 
-    # CSV: DeepSpeed's file names and header, one row per step, in order (nothing written twice)
+    # CSV: DeepSpeed's file names and header, one row per step, in order (close wrote nothing twice)
     header, rows = read_csv(loss_csv)
     assert header == ["step", "train_loss"] and rows == list(zip(samples, losses))
     assert read_csv(tmp_path / "csv_job" / "Train_Samples_lr.csv")[1] == [
@@ -166,7 +165,6 @@ def test_initialize_writes_csv_tensorboard_and_wandb_as_the_step_returned(tmp_pa
     assert [h["Train/Samples/loss_scale"] for h in history] == [m["loss_scale"] for m in metrics]
 
 
-@pytest.mark.slow
 def test_monitors_from_python_on_the_nvme_path(tmp_path):
     """The wrapper works on every path alike; here the host loop of offload_optimizer='nvme'."""
     config = zj.ZeroConfig(stage=1, offload_optimizer="nvme", nvme_path=str(tmp_path), sub_group_size=100)
@@ -204,6 +202,40 @@ def test_progress_lines_and_wall_clock_breakdown(tmp_path):
     assert [round(v, 2) for _, v in rows] == batch_ms
     assert read_csv(tmp_path / "t" / "Train_Samples_train_loss.csv")[1] == [(TB * (k + 1), m["loss"])
                                                                            for k, m in enumerate(metrics)]
+
+
+def test_the_caller_never_waits_on_the_writers_and_their_errors_reach_it(tmp_path):
+    """A slow writer runs beside the steps; an error in it is raised by the next call."""
+    import threading
+
+    state = zj.shard_train_state(init_params(jax.random.PRNGKey(0)), optax.sgd(1e-2), config=zj.ZeroConfig(stage=0))
+    step = zj.make_train_step(loss_fn, state, monitors=Monitors(csv=CSVMonitor(str(tmp_path), "slow")))
+    gate, written = threading.Event(), []
+
+    class Slow:
+        def write(self, events):
+            gate.wait(30)
+            written.append(events)
+
+        def close(self):
+            pass
+
+    step.writers.append(Slow())
+    state, _ = run_steps(step, state, 3)  # returns although no step's metrics could be written yet
+    assert written == []
+    gate.set()
+    state = step.finish(state)
+    assert [e[0][2] for e in written] == [TB, 2 * TB, 3 * TB]
+
+    class Broken(Slow):
+        def write(self, events):
+            raise OSError("disk full")
+
+    step.writers.append(Broken())
+    state, _ = run_steps(step, state, 1)
+    with pytest.raises(OSError, match="disk full"):
+        step.finish(state)
+    step.close()
 
 
 # --------------------------------------------------------------------------- comms and FLOPs

@@ -1,9 +1,11 @@
 """MonitoredStep: any :class:`~zerojax.contract.Step` with monitors, without stalling it.
 
 The wrapper runs the step it holds (on device, host offload, NVMe, ZenFlow: every path alike),
-starts copying the step's metrics to the host (``copy_to_host_async``) and writes the
-*previous* step's, which are on the host by then: the next step is dispatched before the
-host waits on any value. ``finish`` and ``close`` write the last step's::
+starts copying the step's metrics to the host (``copy_to_host_async``) and hands them to a
+writer thread, which waits for them and writes them: the caller's thread never waits on a
+metric, so the next step is dispatched at once, and the writers' own costs (a wandb
+``log`` is milliseconds) run beside the step. ``finish`` and ``close`` wait until everything
+handed over is written::
 
     step = MonitoredStep(zj.make_train_step(loss_fn, state), Monitors(csv=CSVMonitor("runs")))
     for batch in batches:
@@ -17,6 +19,9 @@ with ``wall_clock_breakdown``, ``Train/Samples/elapsed_time_ms_train_batch``.
 from __future__ import annotations
 
 import dataclasses
+import math
+import queue
+import threading
 import time
 from typing import Optional
 
@@ -77,8 +82,11 @@ class MonitoredStep:
         self.steps = 0
         self.samples = 0
         self.skipped = 0
-        self._pending: Optional[_Pending] = None
         self._last_print = (0, 0, time.perf_counter())  # (step, samples, time) of the last progress line
+        self._queue: queue.Queue = queue.Queue()
+        self._error: Optional[BaseException] = None  # raised by the writer thread, re-raised here
+        self._thread = threading.Thread(target=self._drain, name="zerojax-monitor", daemon=True)
+        self._thread.start()
 
     @property
     def plan(self):
@@ -94,6 +102,7 @@ class MonitoredStep:
             self.comms = comm_report(self.step, state, batch)  # lowered before the state is donated
             if m.comms_logger.verbose:
                 self._print(comms_summary(self.comms, m.comms_logger.kinds()))
+        self._raise()
         profile = m.flops_profiler is not None and self.steps == m.flops_profiler.profile_step
         compiled = self.step.lower(state, batch).compile() if profile else None
         if profile:
@@ -114,9 +123,7 @@ class MonitoredStep:
         if profile:
             self.flops = FlopsProfile.of(compiled, rec.done - started, self.steps - 1, self.plan)
             self._report_flops()
-        previous, self._pending = self._pending, rec
-        if previous is not None:
-            self._write(previous)
+        self._queue.put(rec)
         return new_state, metrics
 
     def finish(self, state):
@@ -125,14 +132,17 @@ class MonitoredStep:
 
     def close(self) -> None:
         try:
-            self._flush()
+            if self._thread.is_alive():
+                self._queue.put(None)
+                self._thread.join()
+            self._raise()
             m = self.monitors
             if m.comms_logger is not None and self.comms is not None and not m.comms_logger.verbose:
                 self._print(comms_summary(self.comms, m.comms_logger.kinds()))
+        finally:
             for w in self.writers:
                 w.close()
             self.writers = []
-        finally:
             self.step.close()
 
     def __enter__(self):
@@ -148,9 +158,28 @@ class MonitoredStep:
 
     # ----------------------------------------------------------------- writing
     def _flush(self) -> None:
-        previous, self._pending = self._pending, None
-        if previous is not None:
-            self._write(previous)
+        """Wait until every step handed to the writer thread is written."""
+        if self._thread.is_alive():
+            self._queue.join()
+        self._raise()
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def _drain(self) -> None:
+        while True:
+            rec = self._queue.get()
+            try:
+                if rec is None:
+                    return
+                if self._error is None:
+                    self._write(rec)
+            except BaseException as e:  # handed to the caller's thread at its next call
+                self._error = e
+            finally:
+                self._queue.task_done()
 
     def _write(self, rec: _Pending) -> None:
         values = {k: float(np.asarray(x)) for k, x in rec.arrays.items()}
@@ -159,7 +188,7 @@ class MonitoredStep:
             return
         x = rec.samples
         events = [("Train/Samples/train_loss", values["loss"], x)]
-        if "learning_rate" in values:
+        if math.isfinite(values.get("learning_rate", math.nan)):  # nan: an optimizer whose lr is not readable
             events.append(("Train/Samples/lr", values["learning_rate"], x))
         if self.fp16 and "loss_scale" in values:
             events.append(("Train/Samples/loss_scale", values["loss_scale"], x))

@@ -60,7 +60,7 @@ def main():
     ap.add_argument("--d", type=int, default=256)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--batch-per-device", type=int, default=2)
-    ap.add_argument("--smoke", action="store_true", help="tiny shapes, 2 rounds of 2 steps (seconds)")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes, 2 rounds of 2 steps, no on+wallclock")
     args = ap.parse_args()
     if args.smoke:
         args.rounds, args.steps, args.vocab, args.layers, args.d, args.seq = 2, 2, 64, 1, 32, 8
@@ -76,8 +76,10 @@ def main():
     out = tempfile.mkdtemp(prefix="zerojax-monitors-")
     params = jax.tree_util.tree_map(np.asarray, init_params(cfg, jax.random.PRNGKey(0)))
     runs = {}
-    for name, mon in (("off", None), ("on", monitors(os.path.join(out, "on"), False)),
-                      ("on+wallclock", monitors(os.path.join(out, "wc"), True))):
+    contenders = [("off", None), ("on", monitors(os.path.join(out, "on"), False))]
+    if not args.smoke:
+        contenders.append(("on+wallclock", monitors(os.path.join(out, "wc"), True)))
+    for name, mon in contenders:
         state = zj.shard_train_state(params, optax.adamw(1e-4), mesh=mesh, config=zj.ZeroConfig(stage=2))
         step = zj.make_train_step(loss_fn(cfg), state, monitors=mon)
         for _ in range(3):  # compile, and the one-time reports at steps 0 and 1

@@ -343,3 +343,14 @@ def test_nothing_on_returns_the_step_itself():
     with pytest.raises(ConfigError, match="Monitors.csv"):
         Monitors(csv="runs")
     assert WandbMonitor().project == "deepspeed"
+
+
+def test_the_docs_snippets_run():
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "monitors.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    assert blocks
+    for code in blocks:
+        exec(compile(code, "docs/monitors.md", "exec"), {"__name__": "__docs__"})

@@ -100,14 +100,18 @@ def main():
             times.append((time.perf_counter() - t0) / args.steps)
             run[1] = state
     base = statistics.median(runs["off"][2])
-    print(f"{'step':<14}{'median ms':>10}{'/ off':>8}")
+    print(f"{'step':<14}{'median ms':>10}{'/ off':>8}{'caller us/step':>16}{'writer us/step':>16}")
     for name, (step, _, times) in runs.items():
         ms = statistics.median(times) * 1e3
-        print(f"{name:<14}{ms:>10.2f}{ms / (base * 1e3):>8.3f}")
+        step.finish(runs[name][1])
+        calls = step.steps - 2 if hasattr(step, "overhead") else 0  # less the steps with one-time reports
+        cost = "".join(f"{step.overhead[k] / calls * 1e6:>16.0f}" for k in ("caller", "writer")) if calls else ""
+        print(f"{name:<14}{ms:>10.2f}{ms / (base * 1e3):>8.3f}{cost}")
         step.close()
     on = statistics.median(runs["on"][2]) / base
     print(f"monitors on / off: {on:.3f}x (goal <= 1.03; {args.rounds} interleaved rounds of {args.steps} steps, "
-          "medians)")
+          "medians). caller: the monitors' time on the training thread per step (wall_clock_breakdown's wait "
+          "excluded); writer: the writer thread's, beside the step")
 
 
 if __name__ == "__main__":

@@ -83,6 +83,9 @@ class MonitoredStep:
         self.samples = 0
         self.skipped = 0
         self._last_print = (0, 0, time.perf_counter())  # (step, samples, time) of the last progress line
+        # seconds the monitors cost, summed over steps: on the caller's thread (outside the wrapped
+        # step's call, the one-time reports and wall_clock_breakdown's wait excluded) and on the writer thread
+        self.overhead = {"caller": 0.0, "writer": 0.0}
         self._queue: queue.Queue = queue.Queue()
         self._error: Optional[BaseException] = None  # raised by the writer thread, re-raised here
         self._thread = threading.Thread(target=self._drain, name="zerojax-monitor", daemon=True)
@@ -97,8 +100,10 @@ class MonitoredStep:
         return self.step.lower(state, batch)
 
     def __call__(self, state, batch):
+        entered = time.perf_counter()
         m = self.monitors
-        if m.comms_logger is not None and self.comms is None:
+        first_comms = m.comms_logger is not None and self.comms is None
+        if first_comms:
             self.comms = comm_report(self.step, state, batch)  # lowered before the state is donated
             if m.comms_logger.verbose:
                 self._print(comms_summary(self.comms, m.comms_logger.kinds()))
@@ -117,13 +122,17 @@ class MonitoredStep:
             if hasattr(x, "copy_to_host_async"):
                 x.copy_to_host_async()
         rec = _Pending(self.steps, self.samples, arrays, started, dispatched)
+        waited = 0.0
         if m.wall_clock_breakdown or profile:
             jax.block_until_ready(arrays)
             rec.done = time.perf_counter()
+            waited = rec.done - dispatched
         if profile:
             self.flops = FlopsProfile.of(compiled, rec.done - started, self.steps - 1, self.plan)
             self._report_flops()
         self._queue.put(rec)
+        if not (profile or first_comms):  # the one-time reports are not per-step costs
+            self.overhead["caller"] += (started - entered) + (time.perf_counter() - dispatched - waited)
         return new_state, metrics
 
     def finish(self, state):
@@ -182,7 +191,14 @@ class MonitoredStep:
                 self._queue.task_done()
 
     def _write(self, rec: _Pending) -> None:
-        values = {k: float(np.asarray(x)) for k, x in rec.arrays.items()}
+        values = {k: float(np.asarray(x)) for k, x in rec.arrays.items()}  # waits for the step
+        t0 = time.perf_counter()
+        try:
+            self._write_values(rec, values)
+        finally:
+            self.overhead["writer"] += time.perf_counter() - t0
+
+    def _write_values(self, rec: _Pending, values: dict) -> None:
         self.skipped += int(bool(values.get("skipped", 0.0)))
         if not self.lead:
             return

@@ -104,8 +104,10 @@ def main():
     for name, (step, _, times) in runs.items():
         ms = statistics.median(times) * 1e3
         step.finish(runs[name][1])
-        calls = step.steps - 2 if hasattr(step, "overhead") else 0  # less the steps with one-time reports
-        cost = "".join(f"{step.overhead[k] / calls * 1e6:>16.0f}" for k in ("caller", "writer")) if calls else ""
+        cost = ""
+        if hasattr(step, "overhead"):  # the caller's figure leaves out the two steps with one-time reports
+            cost = f"{step.overhead['caller'] / (step.steps - 2) * 1e6:>16.0f}" \
+                   f"{step.overhead['writer'] / step.steps * 1e6:>16.0f}"
         print(f"{name:<14}{ms:>10.2f}{ms / (base * 1e3):>8.3f}{cost}")
         step.close()
     on = statistics.median(runs["on"][2]) / base

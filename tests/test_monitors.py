@@ -354,3 +354,18 @@ def test_the_docs_snippets_run():
     assert blocks
     for code in blocks:
         exec(compile(code, "docs/monitors.md", "exec"), {"__name__": "__docs__"})
+
+
+@pytest.mark.slow  # compiles a small GPT twice over, with wandb's process: about a minute here
+def test_benchmark_smoke_prints_the_ratio_and_the_costs():
+    import pathlib
+    import subprocess
+    import sys
+
+    bench = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"
+    out = subprocess.run([sys.executable, str(bench / "monitors.py"), "--smoke"], cwd=bench, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "monitors on / off: " in out.stdout and "caller us/step" in out.stdout

@@ -100,7 +100,7 @@ def main():
             times.append((time.perf_counter() - t0) / args.steps)
             run[1] = state
     base = statistics.median(runs["off"][2])
-    print(f"{'step':<14}{'median ms':>10}{'/ off':>8}{'caller us/step':>16}{'writer us/step':>16}")
+    print(f"{'step':<14}{'median ms':>10}{'/ off':>8}{'caller us/step':>16}{'writer cpu us':>16}")
     for name, (step, _, times) in runs.items():
         ms = statistics.median(times) * 1e3
         step.finish(runs[name][1])
@@ -113,7 +113,7 @@ def main():
     on = statistics.median(runs["on"][2]) / base
     print(f"monitors on / off: {on:.3f}x (goal <= 1.03; {args.rounds} interleaved rounds of {args.steps} steps, "
           "medians). caller: the monitors' time on the training thread per step (wall_clock_breakdown's wait "
-          "excluded); writer: the writer thread's, beside the step")
+          "excluded); writer: the writer thread's CPU time, beside the step")
 
 
 if __name__ == "__main__":

@@ -368,4 +368,4 @@ def test_benchmark_smoke_prints_the_ratio_and_the_costs():
     out = subprocess.run([sys.executable, str(bench / "monitors.py"), "--smoke"], cwd=bench, env=env,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert "monitors on / off: " in out.stdout and "caller us/step" in out.stdout
+    assert "monitors on / off: " in out.stdout and "caller us/step" in out.stdout and "writer cpu us" in out.stdout

@@ -83,8 +83,9 @@ class MonitoredStep:
         self.samples = 0
         self.skipped = 0
         self._last_print = (0, 0, time.perf_counter())  # (step, samples, time) of the last progress line
-        # seconds the monitors cost, summed over steps: on the caller's thread (outside the wrapped
-        # step's call, the one-time reports and wall_clock_breakdown's wait excluded) and on the writer thread
+        # seconds the monitors cost, summed over steps: wall time on the caller's thread (outside the
+        # wrapped step's call; the one-time reports and wall_clock_breakdown's wait excluded) and CPU
+        # time on the writer thread
         self.overhead = {"caller": 0.0, "writer": 0.0}
         self._queue: queue.Queue = queue.Queue()
         self._error: Optional[BaseException] = None  # raised by the writer thread, re-raised here
@@ -192,11 +193,11 @@ class MonitoredStep:
 
     def _write(self, rec: _Pending) -> None:
         values = {k: float(np.asarray(x)) for k, x in rec.arrays.items()}  # waits for the step
-        t0 = time.perf_counter()
+        t0 = time.thread_time()
         try:
             self._write_values(rec, values)
         finally:
-            self.overhead["writer"] += time.perf_counter() - t0
+            self.overhead["writer"] += time.thread_time() - t0
 
     def _write_values(self, rec: _Pending, values: dict) -> None:
         self.skipped += int(bool(values.get("skipped", 0.0)))

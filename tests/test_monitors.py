@@ -165,9 +165,11 @@ def test_initialize_writes_csv_tensorboard_and_wandb_as_the_step_returned(tmp_pa
     assert [h["Train/Samples/loss_scale"] for h in history] == [m["loss_scale"] for m in metrics]
 
 
-def test_monitors_from_python_on_the_nvme_path(tmp_path):
-    """The wrapper works on every path alike; here the host loop of offload_optimizer='nvme'."""
-    config = zj.ZeroConfig(stage=1, offload_optimizer="nvme", nvme_path=str(tmp_path), sub_group_size=100)
+@pytest.mark.parametrize("path", ["nvme", "zenflow"])
+def test_monitors_from_python_on_the_host_paths(tmp_path, path):
+    """The wrapper works on every path alike; here the host loop of offload_optimizer='nvme' and ZenFlow."""
+    config = zj.ZeroConfig(stage=1, offload_optimizer="nvme", nvme_path=str(tmp_path), sub_group_size=100) \
+        if path == "nvme" else zj.ZeroConfig(stage=2, offload_optimizer="cpu", zenflow={"update_interval": 2})
     tx = optax.inject_hyperparams(optax.adamw)(learning_rate=1e-2)  # the host update reads its settings
     state = zj.shard_train_state(init_params(jax.random.PRNGKey(0)), tx, config=config)
     lines = []

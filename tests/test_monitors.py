@@ -25,8 +25,15 @@ from tests.helpers import batches, init_params, loss_fn
 from zerojax._compat import cost_analysis
 from zerojax.config.deepspeed import key_report
 from zerojax.errors import ConfigError
-from zerojax.monitor import (CommsLogger, CSVMonitor, FlopsProfiler, MonitoredStep, Monitors, TensorBoardMonitor,
-                             WandbMonitor)
+from zerojax.monitor import (
+    CommsLogger,
+    CSVMonitor,
+    FlopsProfiler,
+    MonitoredStep,
+    Monitors,
+    TensorBoardMonitor,
+    WandbMonitor,
+)
 
 TB = 16  # train_batch_size: 8 devices x 2
 
@@ -281,7 +288,7 @@ def test_flops_profiler_output_file(tmp_path):
     step = zj.make_train_step(loss_fn, state, monitors=Monitors(flops_profiler=FlopsProfiler(0, str(out))))
     run_steps(step, state, 1)
     step.close()
-    assert f"flops per device (fwd + bwd + update):" in out.read_text()
+    assert "flops per device (fwd + bwd + update):" in out.read_text()
 
 
 # --------------------------------------------------------------------------- the DeepSpeed keys
@@ -295,7 +302,8 @@ def test_monitor_keys_are_honoured_in_config_check(tmp_path):
                 "tensorboard.job_name", "wandb.team", "comms_logger.verbose", "flops_profiler.profile_step"):
         assert rows[key].kind == "honoured", rows[key]
     m = Monitors.from_deepspeed(ds_config(tmp_path, steps_per_print=5, flops_profiler={"enabled": True}))
-    assert m.csv == CSVMonitor(str(tmp_path), "csv_job") and m.tensorboard == TensorBoardMonitor(str(tmp_path), "tb_job")
+    assert m.csv == CSVMonitor(str(tmp_path), "csv_job")
+    assert m.tensorboard == TensorBoardMonitor(str(tmp_path), "tb_job")
     assert m.steps_per_print == 5 and m.flops_profiler == FlopsProfiler(1) and m.wandb is None
 
 

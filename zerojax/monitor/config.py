@@ -11,8 +11,8 @@ import os
 from typing import Callable, Optional, Union
 
 from zerojax.config.checks import read_block, read_monitors
-from zerojax.config.keys import TOP
 from zerojax.config.deepspeed import _load
+from zerojax.config.keys import TOP
 from zerojax.config.verdicts import Verdicts
 from zerojax.errors import ConfigError
 

@@ -217,7 +217,7 @@ class MonitoredStep:
             w.write(events)
         spp = self.monitors.steps_per_print
         if spp and rec.step % spp == 0:
-            step0, samples0, t0 = self._last_print
+            _, samples0, t0 = self._last_print
             now = time.perf_counter()
             rate = (rec.samples - samples0) / (now - t0) if now > t0 else float("nan")
             self._last_print = (rec.step, rec.samples, now)

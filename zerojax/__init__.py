@@ -69,6 +69,12 @@ from zerojax.step import make_train_step as make_train_step
 
 __all__ += ["METRIC_KEYS", "Step", "initialize", "zero_optimizer", "gather", "TrainStep", "make_train_step"]
 
+# monitors
+from zerojax import monitor as monitor
+from zerojax.monitor import Monitors as Monitors
+
+__all__ += ["monitor", "Monitors"]
+
 # checkpoint
 from zerojax import checkpoint as checkpoint
 from zerojax.checkpoint import CheckpointManager as CheckpointManager

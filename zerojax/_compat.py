@@ -103,3 +103,12 @@ def to_device_memory(x):
     if space is None or space == jax.memory.Space.Device:
         return x
     return jax.device_put(x, jax.memory.Space.Device)
+
+
+def cost_analysis(compiled) -> dict:
+    """XLA's cost analysis of a compiled program as one dict ("flops", "bytes accessed", ...):
+    older jax returns a list with one dict per program, newer jax the dict."""
+    cost = compiled.cost_analysis()
+    if isinstance(cost, (list, tuple)):
+        cost = cost[0] if cost else {}
+    return dict(cost or {})

@@ -30,6 +30,7 @@ from zerojax.config.schedules import from_deepspeed as schedule_from_deepspeed
 from zerojax.contract import Step
 from zerojax.errors import ConfigError
 from zerojax.autotp import mesh_for
+from zerojax.monitor import Monitors, monitors_for
 from zerojax.plan import ZeroPlan, path_str
 from zerojax.state import TrainState, shard_train_state
 from zerojax.step import make_train_step
@@ -215,6 +216,7 @@ def initialize(
     donate: bool = True,
     check_errors: bool = True,
     fused_adam: bool = False,
+    monitors: Optional[Monitors] = None,
 ) -> tuple[TrainState, GlobalBatchStep]:
     """Build ``(state, step)`` from a config, ready to train.
 
@@ -243,7 +245,10 @@ def initialize(
     ``params_or_init_fn``, ``rng`` and ``param_specs`` are passed to
     :func:`~zerojax.state.shard_train_state`; ``loss_fn``, ``has_aux``, ``donate``,
     ``check_errors`` and ``fused_adam`` to :func:`~zerojax.step.make_train_step`, which picks the
-    update path from the config (on device, offload, NVMe, ZenFlow); the returned step
+    update path from the config (on device, offload, NVMe, ZenFlow). The monitors are
+    ``monitors=`` or those the DeepSpeed file turns on (csv_monitor, tensorboard, wandb,
+    steps_per_print, wall_clock_breakdown, comms_logger, flops_profiler; see
+    :class:`zerojax.monitor.Monitors`), not both; the returned step
     implements :class:`zerojax.Step` whichever it is. The step takes the *global* batch: when the config
     sets ``train_batch_size`` every batch leaf must have that many rows (a ValueError names the
     expected leading dimension otherwise); metrics hold loss, grad_norm, learning_rate (the lr
@@ -254,9 +259,9 @@ def initialize(
                                     "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
     """
     mesh = mesh_for(config, mesh)  # all devices on "data", or the AutoTP mesh when autotp_size > 1
-    config = _resolve_config(config, mesh, training_args, hidden_size)
+    config, monitors = _resolve_config(config, mesh, training_args, hidden_size), monitors_for(config, monitors)
     tx = _optimizer(config, training_args, optimizer)
     state = shard_train_state(params_or_init_fn, tx, mesh=mesh, config=config, rng=rng, param_specs=param_specs)
     step = make_train_step(loss_fn, state, has_aux=has_aux, donate=donate, check_errors=check_errors,
-                           fused_adam=fused_adam)
+                           fused_adam=fused_adam, monitors=monitors)
     return state, GlobalBatchStep.wrap(step, config.train_batch_size)

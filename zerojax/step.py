@@ -13,7 +13,7 @@ cannot honour is a :class:`~zerojax.errors.StepOptionError` naming it, never dro
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from zerojax.contract import METRIC_KEYS, Step, StepBase
 from zerojax.errors import OptimizerError, StepOptionError
 from zerojax.kernels.fused_update import fused_adam_ok
+from zerojax.monitor import Monitors, monitored
 from zerojax.offload.nvme_step import HostLoopStep
 from zerojax.offload.zenflow import ZenFlowStep
 from zerojax.stages.device_step import TrainStep, build_device_step
@@ -61,7 +62,8 @@ def _check_extra_args(state: TrainState) -> None:
 
 
 def make_train_step(loss_fn: Callable, state: TrainState, *, has_aux: bool = False, donate: bool = True,
-                    check_errors: bool = True, fused_adam: bool = False, fused_block_size: int = 4096) -> Step:
+                    check_errors: bool = True, fused_adam: bool = False, fused_block_size: int = 4096,
+                    monitors: Optional[Monitors] = None) -> Step:
     """Build the step for ``state``'s plan; it implements :class:`zerojax.contract.Step`.
 
     ``loss_fn(params, batch) -> loss`` (or ``loss_fn(params, batch, rng)``, given a key unique
@@ -81,7 +83,14 @@ def make_train_step(loss_fn: Callable, state: TrainState, *, has_aux: bool = Fal
     separate loops; needs ``optax.inject_hyperparams(optax.adamw)``. Off by default; on CPU it
     runs in interpret mode (for tests), on GPU through Triton. The host paths update on the
     host, so ``fused_adam=True`` with them is an error naming the option.
+
+    ``monitors``: a :class:`zerojax.monitor.Monitors` (CSV, TensorBoard, wandb, progress lines,
+    timings, comms and FLOPs reports); the step is then wrapped in a
+    :class:`~zerojax.monitor.MonitoredStep`, whatever its path.
     """
+    if monitors is not None:
+        return monitored(make_train_step(loss_fn, state, has_aux=has_aux, donate=donate, check_errors=check_errors,
+                                         fused_adam=fused_adam, fused_block_size=fused_block_size), monitors)
     _check_extra_args(state)
     path = _path_name(state)
     if path != "device":

@@ -59,7 +59,7 @@ def test_every_key_gets_a_verdict_and_the_reason(tmp_path, capsys):
     expect = {
         "train_batch_size": ("honoured", "-> ZeroConfig.train_batch_size"),
         "_comment": ("ignored", "comment"),
-        "steps_per_print": ("warned-ignored", "zerojax logs nothing itself"),
+        "steps_per_print": ("honoured", "read by zerojax.monitor"),
         "comms_config.verbose": ("warned-ignored", "not a DeepSpeed key"),
         "train_batch_sizee": ("warned-ignored", 'Did you mean "train_batch_size"?'),
         "sparse_attention.mode": ("refused", "was removed from DeepSpeed"),
@@ -75,7 +75,7 @@ def test_every_key_gets_a_verdict_and_the_reason(tmp_path, capsys):
     for path, (kind, why) in expect.items():
         assert got[path][0] == kind and why in got[path][1], (path, got[path])
     assert "comet" not in got["comms_config.verbose"][1]
-    assert captured.out.splitlines()[-1] == "5 honoured, 1 ignored, 6 warned-ignored, 3 refused"
+    assert captured.out.splitlines()[-1] == "6 honoured, 1 ignored, 5 warned-ignored, 3 refused"
 
 
 def test_a_clean_file_exits_0_and_auto_says_where_the_value_came_from(tmp_path, capsys):

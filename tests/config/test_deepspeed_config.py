@@ -149,15 +149,15 @@ def test_fp16_and_bf16_blocks():
 
 
 def test_ignored_keys_produce_one_warning_naming_all():
-    cfg = {"train_batch_size": 8, "steps_per_print": 50, "wall_clock_breakdown": False,
-           "tensorboard": {"enabled": True},
+    cfg = {"train_batch_size": 8, "dump_state": True, "wall_clock_breakdown": False,
+           "memory_breakdown": True,
            "zero_optimization": {"stage": 2, "round_robin_gradients": True, "zero_quantized_weights": False,
                                  "zero_hpz_partition_size": 8}}
     with pytest.warns(IgnoredKeysWarning) as record:
         load(cfg)
     assert len(record) == 1
     text = str(record[0].message)
-    for key in ("steps_per_print", "tensorboard", "round_robin_gradients", "zero_hpz_partition_size"):
+    for key in ("dump_state", "memory_breakdown", "round_robin_gradients", "zero_hpz_partition_size"):
         assert key in text
     assert "wall_clock_breakdown" not in text and "zero_quantized_weights" not in text
 
@@ -478,12 +478,12 @@ def test_cli_prints_the_resolved_config(tmp_path, capsys):
 
 def test_cli_reads_training_args_from_a_file_and_reports_warnings(tmp_path, capsys):
     (tmp_path / "args.json").write_text(json.dumps({"per_device_train_batch_size": 2}))
-    (tmp_path / "ds.json").write_text(json.dumps({"train_micro_batch_size_per_gpu": "auto", "steps_per_print": 5}))
+    (tmp_path / "ds.json").write_text(json.dumps({"train_micro_batch_size_per_gpu": "auto", "dump_state": True}))
     code = main(["config", "check", "--json", str(tmp_path / "ds.json"), "--world-size", "2",
                  "--training-args", str(tmp_path / "args.json")])
     captured = capsys.readouterr()
     assert code == 0 and json.loads(captured.out)["train_batch_size"] == 4
-    assert "steps_per_print" in captured.err
+    assert "dump_state" in captured.err
 
 
 @pytest.mark.parametrize("cfg,extra,match", [

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 from typing import Optional
 
-from zerojax.config.keys import (BF16, DEPRECATED_ZERO, FP16, OFFLOAD_OPTIMIZER, OFFLOAD_PARAM, OPTIMIZERS,
+from zerojax.config.keys import (BF16, DEPRECATED_ZERO, FP16, MONITORS, OFFLOAD_OPTIMIZER, OFFLOAD_PARAM, OPTIMIZERS,
                                  REFUSED_OPTIMIZERS, TENSOR_PARALLEL, TOP, ZENFLOW, ZERO, ZERO_BLOCKS, Key)
 from zerojax.config.schema import (FIELDS, LOW_PRECISION, Invalid, broken_rules, did_you_mean, invalid_message,
                                    precision_message, rule_message, typo_of)
 from zerojax.config.verdicts import Verdicts
 
-__all__ = ["optimizer_block", "precision_fields", "read_block", "read_optimizer", "read_top",
+__all__ = ["optimizer_block", "precision_fields", "read_block", "read_monitors", "read_optimizer", "read_top",
            "tensor_parallel_fields", "upgrade_deprecated", "zenflow_block", "zero_fields"]
 
 _DEFAULT_OK = "DeepSpeed's default; zerojax behaves the same"
@@ -114,7 +114,10 @@ def read_top(cfg: dict, v: Verdicts) -> None:
     """Verdicts for the top-level keys; the blocks and the batch keys are read by their readers.
     Keys DeepSpeed does not know are warned (DeepSpeed ignores them), with a hint only for a
     near-miss of a known key; keys starting with "_" are comments."""
+    read_monitors(cfg, v)
     for key, value in cfg.items():
+        if key in MONITORS:
+            continue
         if key in TOP and TOP[key].honoured:
             if key in _BLOCKS:
                 v.honour(key, f"read by zerojax (the {key} block)")
@@ -128,6 +131,36 @@ def read_top(cfg: dict, v: Verdicts) -> None:
             v.warn(key, f'{key}: not a DeepSpeed key; DeepSpeed ignores it, and so does zerojax.{hint}')
             continue
         read_block({key: value}, {key: TOP[key]}, "", v)
+
+
+# --------------------------------------------------------------------------- monitors
+_LENIENT = ("flops_profiler",)  # DeepSpeed reads these blocks key by key and ignores other keys
+
+
+def read_monitors(cfg: dict, v: Verdicts) -> dict:
+    """The monitor keys of a config (:data:`zerojax.config.keys.MONITORS`), checked: {key: value}
+    for the plain keys, {block: every key with DeepSpeed's default filled in} for the blocks
+    that are on. ``zerojax.monitor.Monitors.from_deepspeed`` builds the monitors from it."""
+    out = {}
+    for key, table in MONITORS.items():
+        if key not in cfg:
+            continue
+        value = cfg[key]
+        if value == "auto":  # nothing fills it: DeepSpeed's default, which zerojax leaves off
+            v.ignore(key, '"auto" in a monitor key: DeepSpeed\'s default, as DeepSpeed drops it; nothing monitored')
+            continue
+        if isinstance(table, Key):
+            out.update(read_block({key: value}, {key: table}, "", v))
+            continue
+        if isinstance(value, dict) and key in _LENIENT:
+            for odd in [k for k in value if k not in table]:
+                v.warn(f"{key}.{odd}", f"{key}.{odd}: not a key of DeepSpeed's {key} block; DeepSpeed ignores it, "
+                       f"and so does zerojax. {did_you_mean(odd, table)}")
+            value = {k: x for k, x in value.items() if k in table}
+        given = read_block(value, table, key, v)
+        if given.get("enabled") is True:
+            out[key] = {k: given.get(k, entry.default) for k, entry in table.items()}
+    return out
 
 
 # --------------------------------------------------------------------------- deprecated keys

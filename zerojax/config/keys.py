@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional
 
 from zerojax.config.schema import FIELDS, NONTRAINABLE, Invalid, boolean, choice, integer, number, optional, string
 
-__all__ = ["BF16", "DEPRECATED_ZERO", "FP16", "Key", "OFFLOAD_OPTIMIZER", "OFFLOAD_PARAM", "OPTIMIZERS",
+__all__ = ["BF16", "DEPRECATED_ZERO", "FP16", "Key", "MONITORS", "OFFLOAD_OPTIMIZER", "OFFLOAD_PARAM", "OPTIMIZERS",
            "REFUSED_OPTIMIZERS", "TENSOR_PARALLEL", "TOP", "ZENFLOW", "ZERO", "is_off"]
 
 REMOVED = "was removed from DeepSpeed (0.19.8 refuses it)"
@@ -239,13 +239,48 @@ TENSOR_PARALLEL: dict = {
 }
 
 # --------------------------------------------------------------------------- top level
-_MONITOR = "zerojax logs nothing itself: log the step's metrics with your own tool"
+_MONITOR = "not one of zerojax's monitors (zerojax.monitor): log the step's metrics with your own tool"
 _NOT_HERE = "a DeepSpeed engine feature zerojax does not have"
 
 
 def _any_bool(value) -> bool:  # either value is what zerojax does
     return isinstance(value, bool)
 
+
+# --------------------------------------------------------------------------- monitors
+# read by zerojax.monitor (Monitors.from_deepspeed); "field" names that reader
+_MON = "zerojax.monitor"
+_PER_MODULE = "a per-module PyTorch detail; XLA's cost analysis covers the whole compiled step"
+
+
+def _names(value):
+    if not isinstance(value, list) or not all(isinstance(x, str) for x in value):
+        raise Invalid('a list of collective names, e.g. ["all_reduce", "all_gather"]')
+    return value
+
+
+def _monitor_block(**keys) -> dict:
+    return {k: (v if isinstance(v, Key) else Key(v[0], v[1], _MON)) for k, v in keys.items()}
+
+
+_PATHS = {"enabled": (False, boolean), "output_path": ("", string), "job_name": ("DeepSpeedJobName", string)}
+MONITORS: dict = {
+    "steps_per_print": Key(10, integer(1), _MON),
+    "wall_clock_breakdown": Key(False, boolean, _MON),
+    "tensorboard": _monitor_block(**_PATHS),
+    "csv_monitor": _monitor_block(**_PATHS),
+    "wandb": _monitor_block(enabled=(False, boolean), group=(None, optional(string)), team=(None, optional(string)),
+                            project=("deepspeed", string)),
+    "comms_logger": _monitor_block(enabled=(False, boolean), verbose=(False, boolean), prof_all=(True, boolean),
+                                   prof_ops=([], _names),
+                                   debug=_ignored(False, boolean, "zerojax's comms report has no debug mode")),
+    "flops_profiler": _monitor_block(
+        enabled=(False, boolean), profile_step=(1, integer(0)), output_file=(None, optional(string)),
+        detailed=_ignored(True, boolean, _PER_MODULE), module_depth=_ignored(-1, integer(), _PER_MODULE),
+        top_modules=_ignored(1, integer(), _PER_MODULE),
+        recompute_fwd_factor=_ignored(0.0, number(0), "XLA counts the recomputation the compiled step does")),
+}
+_MONITOR_KEY = Key(why=f"read by {_MON}")  # TOP's entry for each: read_top hands them to checks.read_monitors
 
 _FIELD_KEYS = {spec.keys[0]: Key(spec.key_default, spec.ds_check, spec.name)
                for spec in FIELDS.values() if len(spec.keys) == 1 and "." not in spec.keys[0]
@@ -254,8 +289,7 @@ TOP: dict = {
     **_FIELD_KEYS,
     # blocks with readers of their own
     **{k: Key(field=k) for k in ("zero_optimization", "fp16", "bf16", "optimizer", "scheduler")},
-    "steps_per_print": _ignored(None, None, _MONITOR),
-    "wall_clock_breakdown": _ignored(False, boolean, "use jax.profiler for timings"),
+    **{k: _MONITOR_KEY for k in MONITORS},
     "memory_breakdown": _ignored(False, boolean, "use zj.memory_report / zj.estimate"),
     "dump_state": _ignored(False, boolean, _MONITOR),
     "prescale_gradients": _ignored(False, boolean, "zerojax averages in fp32 inside the reduction"),
@@ -281,13 +315,12 @@ TOP: dict = {
     "log_level": _ignored(None, None, _MONITOR),
     "vocabulary_size": _ignored(None, None, _NOT_HERE),
     "allgather_size": _ignored(None, None, 'read only with the deprecated "zero_optimization": true form'),
-    **{k: _ignored(None, None, _MONITOR, on_off=True, subkeys=sub) for k, sub in (
-        ("tensorboard", ("enabled", "output_path", "job_name")), ("wandb", ("enabled", "group", "team", "project")),
-        ("csv_monitor", ("enabled", "output_path", "job_name")),
-        ("comet", ("enabled", "samples_log_interval", "project", "workspace", "api_key", "experiment_name",
-                   "experiment_key", "online", "mode")),
-        ("comms_logger", ("enabled", "prof_all", "prof_ops", "verbose", "debug")),
-        ("flops_profiler", ()), ("timers", ()))},
+    "comet": Key(refused=True, on_off=True, subkeys=(
+        "enabled", "samples_log_interval", "project", "workspace", "api_key", "experiment_name", "experiment_key",
+        "online", "mode"), why="zerojax has no Comet monitor (its comet_ml client is not one of zerojax's extras). "
+                               'Fix: remove "comet" or set "enabled": false, and log with "tensorboard", "wandb" or '
+                               '"csv_monitor"'),
+    "timers": _ignored(None, None, "zerojax times steps with wall_clock_breakdown", on_off=True),
     "activation_checkpointing": _ignored(None, None, "use jax.checkpoint (jax.remat) in the model", on_off=True),
     "autotuning": _ignored(None, None, "use zj.autotune", on_off=True),
     "checkpoint": _ignored(None, None, "zerojax's CheckpointManager has its own options", on_off=True),

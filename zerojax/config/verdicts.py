@@ -6,7 +6,7 @@ prints them all::
 
     v = Verdicts()
     v.honour("zero_optimization.stage", "-> ZeroConfig.stage = 2")
-    v.warn("steps_per_print", "steps_per_print=5: zerojax logs nothing itself")
+    v.warn("dump_state", "dump_state=True: not one of zerojax's monitors")
     v.refuse("zero_optimization.stagee", 'Unknown key ... Did you mean "stage"?')
 """
 from __future__ import annotations

@@ -30,11 +30,11 @@ def update_without_master(monkeypatch) -> None:
     params were updated in place."""
     real = update.optax_update
 
-    def broken(plan, tx, master, grads, opt_state, key=None):
+    def broken(plan, tx, master, grads, opt_state, key=None, value=None):
         def to16(tree):
             return jax.tree_util.tree_map(lambda x: x.astype(plan.compute_dtype).astype(x.dtype), tree)
 
-        master, opt_state = real(plan, tx, to16(master), grads, opt_state, key)
+        master, opt_state = real(plan, tx, to16(master), grads, opt_state, key, value)
         return to16(master), opt_state
 
     for module in (device_step, host_update):

@@ -291,7 +291,7 @@ def test_a_passed_optimizer(params):
 
 
 def test_bad_config_type():
-    with pytest.raises(TypeError, match="ZeroConfig, a dict or the path"):
+    with pytest.raises(zj.ZeroJaxError, match="ZeroConfig, a dict or the path"):
         zj.initialize({}, loss_fn, 3)
 
 

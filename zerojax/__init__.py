@@ -22,6 +22,7 @@ from zerojax.errors import AutotuneError as AutotuneError
 from zerojax.errors import BatchError as BatchError
 from zerojax.errors import CheckpointError as CheckpointError
 from zerojax.errors import ConfigError as ConfigError
+from zerojax.errors import DeprecatedKeyWarning as DeprecatedKeyWarning
 from zerojax.errors import DistributedError as DistributedError
 from zerojax.errors import HostUpdateWarning as HostUpdateWarning
 from zerojax.errors import IgnoredKeysWarning as IgnoredKeysWarning
@@ -36,7 +37,8 @@ from zerojax.errors import StepOptionError as StepOptionError
 from zerojax.errors import ZeroJaxError as ZeroJaxError
 from zerojax.errors import ZeroJaxWarning as ZeroJaxWarning
 
-__all__ = ["AutotuneError", "BatchError", "CheckpointError", "ConfigError", "DistributedError", "HostUpdateWarning",
+__all__ = ["AutotuneError", "BatchError", "CheckpointError", "ConfigError", "DeprecatedKeyWarning", "DistributedError",
+           "HostUpdateWarning",
            "IgnoredKeysWarning", "LaunchError", "LossScaleError", "NativeKernelWarning", "NonFiniteError", "NvmeError",
            "OptimizerError", "StateError", "StepOptionError", "ZeroJaxError", "ZeroJaxWarning"]
 

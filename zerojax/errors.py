@@ -14,7 +14,8 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
-    "AutotuneError", "BatchError", "CheckpointError", "ConfigError", "DistributedError", "HostUpdateWarning",
+    "AutotuneError", "BatchError", "CheckpointError", "ConfigError", "DeprecatedKeyWarning", "DistributedError",
+    "HostUpdateWarning",
     "IgnoredKeysWarning", "LaunchError", "LossScaleError", "NativeKernelWarning", "NonFiniteError", "NvmeError",
     "OptimizerError", "StateError", "StepOptionError", "ZeroJaxError", "ZeroJaxWarning",
 ]
@@ -103,6 +104,11 @@ class IgnoredKeysWarning(ZeroJaxWarning):
 
 class NativeKernelWarning(ZeroJaxWarning):
     """The native host AdamW kernel could not be built or loaded; the XLA host loop runs instead."""
+
+
+class DeprecatedKeyWarning(ZeroJaxWarning, FutureWarning):
+    """A DeepSpeed config key in a deprecated spelling, read as DeepSpeed reads it; the message
+    names the key to write instead. (A FutureWarning: it is meant for the user of the file.)"""
 
 
 class HostUpdateWarning(ZeroJaxWarning):

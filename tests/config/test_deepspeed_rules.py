@@ -5,6 +5,7 @@ import warnings
 
 import pytest
 
+import zerojax as zj
 from zerojax import ConfigError, TrainingArgs, ZeroConfig
 from zerojax.config import schema
 from zerojax.errors import IgnoredKeysWarning
@@ -43,17 +44,17 @@ def ignored_text(cfg, **kw):
      lambda c: c.gather_16bit_weights_on_model_save is True),
 ])
 def test_deprecated_zero_keys_are_read_with_a_warning_naming_the_new_key(zo, new_key, check):
-    with pytest.warns(DeprecationWarning) as record:
+    with pytest.warns(zj.DeprecatedKeyWarning) as record:
         config = load({"zero_optimization": zo})
     assert check(config)
     assert any(new_key in str(w.message) and "deprecated" in str(w.message) for w in record)
 
 
 def test_bare_zero_optimization_true_is_stage_1_with_allgather_size_as_the_bucket():
-    with pytest.warns(DeprecationWarning, match="deprecated form"):
+    with pytest.warns(zj.DeprecatedKeyWarning, match="deprecated form"):
         config = load({"zero_optimization": True, "allgather_size": 1234})
     assert (config.stage, config.allgather_bucket_size) == (1, 1234)
-    with pytest.warns(DeprecationWarning):
+    with pytest.warns(zj.DeprecatedKeyWarning):
         assert load({"zero_optimization": False}).stage == 0
 
 
@@ -68,7 +69,7 @@ def test_bare_zero_optimization_true_is_stage_1_with_allgather_size_as_the_bucke
 ])
 def test_deprecated_keys_that_clash_are_refused(zo, match):
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
+        warnings.simplefilter("ignore", zj.DeprecatedKeyWarning)
         with pytest.raises(ConfigError, match=match):
             load({"zero_optimization": zo})
 

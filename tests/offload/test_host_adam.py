@@ -7,6 +7,7 @@ import numpy as np
 import optax
 import pytest
 
+from zerojax.errors import ConfigError
 from zerojax.kernels import native
 from zerojax.offload.flat import FlatLayout
 from zerojax.offload.host_adam import HostAdamW, _narrow, _widen
@@ -354,7 +355,7 @@ def test_host_zeros():
         x = host_zeros(100, dtype)
         assert x.dtype == np.dtype(dtype) and x.shape == (100,) and x.flags.writeable
         assert x.ctypes.data % 64 == 0 and not x.any()
-    with pytest.raises(TypeError, match="not supported"):
+    with pytest.raises(ConfigError, match="not supported"):
         host_zeros(10, np.float64)
     x = host_zeros(1000)
     tail = x[500:]

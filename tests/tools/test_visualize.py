@@ -99,7 +99,7 @@ def test_many_devices_are_truncated_and_errors_say_what_to_pass():
     lines = visualize(plan, max_devices=2).splitlines()
     assert lines[4] == "... 6 more devices (max_devices=None shows all)"
     assert len(visualize(plan, max_devices=None).splitlines()) == 12
-    with pytest.raises(TypeError, match="ZeroPlan"):
+    with pytest.raises(zj.ZeroJaxError, match="ZeroPlan"):
         visualize({"w": 1})
     with pytest.raises(ValueError, match="width"):
         visualize(plan, width=0)

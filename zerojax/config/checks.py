@@ -166,7 +166,7 @@ def read_monitors(cfg: dict, v: Verdicts) -> dict:
 # --------------------------------------------------------------------------- deprecated keys
 def upgrade_deprecated(cfg: dict, v: Verdicts) -> None:
     """DeepSpeed's deprecated ZeRO spellings rewritten in place to the current keys (each
-    noted in ``v.deprecated``, for a DeprecationWarning naming the new key)."""
+    noted in ``v.deprecated``, for a DeprecatedKeyWarning naming the new key)."""
     zo = cfg.get("zero_optimization")
     if isinstance(zo, bool):
         new = {"stage": 1 if zo else 0}

@@ -21,7 +21,7 @@ Rules (DeepSpeed's unless said otherwise):
 * Top-level keys DeepSpeed does not know are warned (DeepSpeed ignores them), with a "did you
   mean" hint for a near-miss; keys starting with "_" are comments. Unknown keys inside a
   block are errors with a hint. Keys DeepSpeed removed are errors saying so.
-* Deprecated spellings are read as DeepSpeed reads them, with a DeprecationWarning naming the
+* Deprecated spellings are read as DeepSpeed reads them, with a DeprecatedKeyWarning naming the
   new key. Stage-3-only keys below stage 3 are warned and dropped, as DeepSpeed ignores them.
 * Keys zerojax has no mechanism for are accepted; those not at DeepSpeed's default are listed
   in one :class:`IgnoredKeysWarning`. Every problem of a file is reported in one ConfigError.
@@ -48,7 +48,7 @@ from zerojax.config.checks import (low_precision_rules, precision_fields, read_b
 from zerojax.config.keys import BF16, FP16, OFFLOAD_OPTIMIZER, OFFLOAD_PARAM, TOP, ZERO
 from zerojax.config.optimizers import optimizer_from_config as optimizer_from_config
 from zerojax.config.verdicts import Verdicts
-from zerojax.errors import ConfigError, IgnoredKeysWarning
+from zerojax.errors import ConfigError, DeprecatedKeyWarning, IgnoredKeysWarning
 
 __all__ = ["IgnoredKeysWarning", "KeyVerdict", "TrainingArgs", "deepspeed_fields", "key_report",
            "optimizer_from_config", "read_deepspeed", "resolve_batch"]
@@ -287,14 +287,14 @@ def deepspeed_fields(path_or_dict, training_args=None, world_size: Optional[int]
     (default ``jax.device_count()`` divided by ``tensor_parallel.autotp_size``); ``hidden_size``
     fills the bucket sizes set to "auto".
     Raises one ConfigError naming every refused key; warns (IgnoredKeysWarning, once, naming
-    each key) about accepted-but-ignored keys and (DeprecationWarning) about deprecated ones.
+    each key) about accepted-but-ignored keys and (DeprecatedKeyWarning) about deprecated ones.
 
     An absent ``gradient_clipping`` is DeepSpeed's default 1.0 here (``ZeroConfig``'s own
     default is 0.0, off); write ``"gradient_clipping": 0`` to disable clipping.
     """
     fields, v = read_deepspeed(path_or_dict, training_args, world_size, hidden_size)
     for message in v.deprecated:
-        warnings.warn(message, DeprecationWarning, stacklevel=3)
+        warnings.warn(message, DeprecatedKeyWarning, stacklevel=3)
     v.raise_refused()
     if v.warned:
         warnings.warn("zerojax accepts but ignores these DeepSpeed settings:\n  - "

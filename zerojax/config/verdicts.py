@@ -37,7 +37,7 @@ class Verdicts:
 
     def __init__(self):
         self.rows: list[Verdict] = []
-        self.deprecated: list[str] = []  # messages for DeprecationWarning, one per deprecated key
+        self.deprecated: list[str] = []  # messages for DeprecatedKeyWarning, one per deprecated key
         self.aliases: dict[str, str] = {}  # a key written from a deprecated one -> the deprecated key
 
     def _add(self, path: str, kind: str, why: str) -> None:

@@ -25,12 +25,13 @@ from zerojax.errors import LaunchError as LaunchError
 from zerojax.errors import LossScaleError as LossScaleError
 from zerojax.errors import NonFiniteError as NonFiniteError
 from zerojax.errors import NvmeError as NvmeError
+from zerojax.errors import PipelineKeyWarning as PipelineKeyWarning
 from zerojax.errors import StepOptionError as StepOptionError
 from zerojax.errors import ZeroJaxError as ZeroJaxError
 from zerojax.errors import ZeroJaxWarning as ZeroJaxWarning
 
 __all__ = ["AutotuneError", "CheckpointError", "ConfigError", "DistributedError", "HostUpdateWarning",
-           "IgnoredKeysWarning", "LaunchError", "LossScaleError", "NonFiniteError", "NvmeError", "StepOptionError",
+           "IgnoredKeysWarning", "LaunchError", "LossScaleError", "NonFiniteError", "NvmeError", "PipelineKeyWarning", "StepOptionError",
            "ZeroJaxError", "ZeroJaxWarning"]
 
 # config -> plan -> state
@@ -55,11 +56,13 @@ from zerojax.contract import METRIC_KEYS as METRIC_KEYS
 from zerojax.contract import Step as Step
 from zerojax.initialize import initialize as initialize
 from zerojax.optim import zero_optimizer as zero_optimizer
+from zerojax import pipeline as pipeline
+from zerojax.pipeline import PipelineModel as PipelineModel
 from zerojax.stages.stage3 import gather as gather
 from zerojax.step import TrainStep as TrainStep
 from zerojax.step import make_train_step as make_train_step
 
-__all__ += ["METRIC_KEYS", "Step", "initialize", "zero_optimizer", "gather", "TrainStep", "make_train_step"]
+__all__ += ["METRIC_KEYS", "Step", "initialize", "zero_optimizer", "pipeline", "PipelineModel", "gather", "TrainStep", "make_train_step"]
 
 # checkpoint
 from zerojax import checkpoint as checkpoint

@@ -89,3 +89,7 @@ class IgnoredKeysWarning(ZeroJaxWarning):
 
 class HostUpdateWarning(ZeroJaxWarning):
     """optimizer offload could not run this optimizer's update on the host (it runs on the device)."""
+
+
+class PipelineKeyWarning(IgnoredKeysWarning):
+    """A key of DeepSpeed's "pipeline" block that has no meaning for zj.PipelineModel; the message names it."""

@@ -1,0 +1,221 @@
+"""PipelineModel over a "pipe" mesh axis against plain optax on ``pipe.loss`` (tiny GPT, fp32)."""
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import zerojax as zj
+from zerojax.models.gpt import GPTConfig
+from zerojax.models.gpt_pipeline import gpt_pipeline, init_pipeline_params
+from zerojax.pipeline.schedule import BACKWARD, FORWARD, IDLE, check, gpipe, one_f_one_b, theory_idle_fraction
+
+CFG = GPTConfig(vocab=32, n_layer=4, d_model=16, n_head=2, seq_len=4)
+PARAMS = init_pipeline_params(CFG, jax.random.PRNGKey(0))
+
+
+def batches(n, size, seed=0):
+    rng = np.random.default_rng(seed)
+    return [{"tokens": rng.integers(0, CFG.vocab, (size, CFG.seq_len + 1)).astype(np.int32)} for _ in range(n)]
+
+
+def reference(pipe, tx, data, clip=0.0):
+    """Plain optax on pipe.loss, one device; DeepSpeed's clipping written out."""
+    @jax.jit
+    def step(p, s, b):
+        loss, g = jax.value_and_grad(pipe.loss)(p, b)
+        norm = optax.tree.norm(g)
+        if clip:
+            g = jax.tree_util.tree_map(lambda x: x / jnp.maximum(1.0, (norm + 1e-6) / clip), g)
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s, loss, norm
+
+    p, s, losses, norms = PARAMS, tx.init(PARAMS), [], []
+    for b in data:
+        p, s, loss, norm = step(p, s, b)
+        losses.append(float(loss))
+        norms.append(float(norm))
+    return p, losses, norms
+
+
+def run(pipe, tx, data, shape, **config):
+    mesh = zj.make_mesh(shape, ("pipe", "data"))
+    state = zj.shard_train_state(PARAMS, tx, mesh=mesh, config=zj.ZeroConfig(**config))
+    step = zj.make_train_step(pipe, state)
+    out = []
+    for b in data:
+        state, m = step(state, b)
+        out.append({k: float(v) for k, v in m.items()})
+    return state, out
+
+
+def assert_close_params(state, ref, tol=1e-5):
+    got = state.full_params()
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree_util.tree_leaves(ref)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=tol, rtol=0, err_msg=jax.tree_util.keystr(path))
+
+
+def local_layers(x):
+    return {s.data.shape[0] for s in x.addressable_shards}
+
+
+# ------------------------------------------------------------------------------ schedules
+@pytest.mark.parametrize("make", [one_f_one_b, gpipe])
+@pytest.mark.parametrize("stages,micro", [(1, 3), (2, 4), (4, 2), (4, 8), (3, 16)])
+def test_schedule_is_valid_and_its_bubble_is_the_theory(make, stages, micro):
+    s = make(stages, micro)
+    check(s)
+    assert s.ticks == 2 * (micro + stages - 1)
+    assert abs(s.idle_fraction - theory_idle_fraction(stages, micro)) < 1e-12
+    for st in range(stages):
+        assert sorted(s.micro[s.op[:, st] == FORWARD, st]) == list(range(micro))
+        assert sorted(s.micro[s.op[:, st] == BACKWARD, st]) == list(range(micro))
+
+
+def test_1f1b_keeps_at_most_p_inputs_in_flight_and_alternates():
+    s = one_f_one_b(4, 8)
+    assert s.slots == 4 and gpipe(4, 8).slots == 8
+    ops = [int(x) for x in s.op[:, 0] if x != IDLE]  # stage 0: 4 warm-up forwards, then B F B F ..., then Bs
+    assert ops == [FORWARD] * 4 + [BACKWARD, FORWARD] * 4 + [BACKWARD] * 4
+
+
+def test_check_catches_a_broken_schedule():
+    s = one_f_one_b(2, 4)
+    s.op[[0, 1], 1] = s.op[[1, 0], 1]  # stage 1 runs a forward before stage 0 sent its input
+    s.micro[[0, 1], 1] = s.micro[[1, 0], 1]
+    with pytest.raises(AssertionError):
+        check(s)
+
+
+# --------------------------------------------------------------------- parity with optax
+@pytest.mark.slow
+@pytest.mark.parametrize("shape,stage,micro", [((2, 4), 1, 4), ((4, 2), 2, 8)])
+def test_gpt_pipeline_equals_plain_optax(shape, stage, micro):
+    pipe, tx = gpt_pipeline(CFG), optax.adamw(1e-3)
+    data = batches(3, shape[1] * micro * 2)
+    ref, losses, norms = reference(pipe, tx, data)
+    state, hist = run(pipe, tx, data, shape, stage=stage, gradient_accumulation_steps=micro)
+    np.testing.assert_allclose([h["loss"] for h in hist], losses, atol=1e-5, rtol=0)
+    np.testing.assert_allclose([h["grad_norm"] for h in hist], norms, rtol=1e-5)
+    assert_close_params(state, ref)
+    p = shape[0]
+    assert all(abs(h["pipeline_idle"] - theory_idle_fraction(p, micro)) < 1e-6 for h in hist)
+    # each device holds only its stage's L / P layers, of the params and of the optimizer state
+    for x in jax.tree_util.tree_leaves(state.params["blocks"]):
+        assert local_layers(x) == {CFG.n_layer // p}
+    mu = state.opt_state[0].mu["blocks"]["mlp"]["fc"]["kernel"]  # (L, d, 4d): layers over pipe, d over data
+    assert {s.data.shape for s in mu.addressable_shards} == {(CFG.n_layer // p, CFG.d_model // shape[1], 4 * CFG.d_model)}
+    emb = state.opt_state[0].mu["embed"]["wte"]  # replicated over pipe, split over data
+    assert {s.data.shape[0] for s in emb.addressable_shards} == {CFG.vocab // shape[1]}
+
+
+@pytest.mark.slow
+def test_stage3_clipping_gpipe_and_activation_checkpoints_equal_plain_optax():
+    pipe, tx = gpt_pipeline(CFG, schedule="gpipe", activation_checkpoint_interval=1), optax.adamw(1e-3)
+    data = batches(2, 4 * 4 * 2)
+    ref, losses, norms = reference(pipe, tx, data, clip=0.5)
+    assert min(norms) > 0.5  # the clipping acts
+    state, hist = run(pipe, tx, data, (2, 4), stage=3, gradient_accumulation_steps=4, gradient_clipping=0.5,
+                      param_persistence_threshold=0)
+    np.testing.assert_allclose([h["loss"] for h in hist], losses, atol=1e-5, rtol=0)
+    assert_close_params(state, ref)
+    qkv = state.params["blocks"]["attn"]["qkv"]["kernel"]  # (L, d, 3d): layers over pipe, 3d over data
+    assert {s.data.shape for s in qkv.addressable_shards} == {(2, CFG.d_model, 3 * CFG.d_model // 4)}
+
+
+@pytest.mark.slow
+def test_fp16_loss_scaler_skips_like_the_plain_step():
+    """fp16 with a scale that overflows at first: the pipeline skips and halves the scale on the
+    same steps as zerojax's data-parallel step on the same loss, and trains to the same losses."""
+    pipe, tx = gpt_pipeline(CFG), optax.adamw(1e-3)
+    data = batches(3, 4 * 2 * 2)
+    config = dict(stage=1, gradient_accumulation_steps=2, precision="fp16", initial_scale_power=24, hysteresis=1)
+    _, hist = run(pipe, tx, data, (2, 4), **config)
+    plain = zj.shard_train_state(PARAMS, tx, mesh=zj.make_mesh(4), config=zj.ZeroConfig(**config))
+    step, want = zj.make_train_step(pipe.loss, plain), []
+    for b in data:
+        plain, m = step(plain, b)
+        want.append({k: float(v) for k, v in m.items()})
+    assert [h["skipped"] for h in hist] == [w["skipped"] for w in want] and hist[0]["skipped"]
+    assert [h["loss_scale"] for h in hist] == [w["loss_scale"] for w in want]
+    np.testing.assert_allclose([h["loss"] for h in hist], [w["loss"] for w in want], atol=5e-3)
+
+
+# --------------------------------------------------------------- checkpoints and memory
+@pytest.mark.slow
+def test_checkpoint_restores_onto_another_pipe_size(tmp_path):
+    pipe, tx = gpt_pipeline(CFG), optax.adamw(1e-3)
+    data = batches(2, 8 * 2)
+    state, _ = run(pipe, tx, data[:1], (2, 4), stage=1, gradient_accumulation_steps=2)
+    with zj.CheckpointManager(tmp_path) as mngr:
+        mngr.save(1, state)
+        mngr.wait_until_finished()
+        target = zj.abstract_train_state(PARAMS, tx, mesh=zj.make_mesh((4, 2), ("pipe", "data")),
+                                         config=zj.ZeroConfig(stage=1, gradient_accumulation_steps=2))
+        restored, _ = mngr.restore(target)
+    for x in jax.tree_util.tree_leaves(restored.params["blocks"]):
+        assert local_layers(x) == {1}
+    assert_close_params(restored, state.full_params(), tol=0)
+    ref, losses, _ = reference(pipe, tx, data)
+    _, hist = zj.make_train_step(pipe, restored)(restored, data[1])
+    assert abs(float(hist["loss"]) - losses[1]) < 1e-5
+
+
+def test_memory_report_shows_each_stage_holding_its_layers():
+    tx = optax.adamw(1e-3)
+    block_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(PARAMS["blocks"]))
+    other_bytes = sum(x.nbytes for k in ("embed", "head") for x in jax.tree_util.tree_leaves(PARAMS[k]))
+    per_device = {}
+    for p in (1, 2, 4):
+        mesh = zj.make_mesh((p, 8 // p), ("pipe", "data"))
+        state = zj.shard_train_state(PARAMS, tx, mesh=mesh, config=zj.ZeroConfig(stage=1))
+        report = zj.memory_report(state)
+        per_device[p] = report.max_bytes()
+        params_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree_util.tree_leaves(state.params))
+        assert params_bytes == block_bytes // p + other_bytes
+    assert per_device[1] > per_device[2] > per_device[4]
+
+
+# ------------------------------------------------------------------------ refusals, keys
+def test_refusals_name_the_fix():
+    pipe, tx = gpt_pipeline(CFG), optax.adamw(1e-3)
+    data_only = zj.shard_train_state(PARAMS, tx, mesh=zj.make_mesh(8))
+    with pytest.raises(zj.ConfigError, match="'pipe' axis"):
+        zj.make_train_step(pipe, data_only)
+    with pytest.raises(zj.ConfigError, match="multiple of 8"):
+        zj.shard_train_state(PARAMS, tx, mesh=zj.make_mesh((8, 1), ("pipe", "data")))
+    state = zj.shard_train_state(PARAMS, tx, mesh=zj.make_mesh((2, 4), ("pipe", "data")))
+    with pytest.raises(zj.StepOptionError, match="has_aux"):
+        zj.make_train_step(pipe, state, has_aux=True)
+    with pytest.raises(zj.ConfigError, match="divide the 2 layers"):
+        zj.make_train_step(gpt_pipeline(CFG, activation_checkpoint_interval=3), state)
+    offloaded = zj.shard_train_state(PARAMS, tx, mesh=zj.make_mesh((2, 4), ("pipe", "data")),
+                                     config=zj.ZeroConfig(stage=2, offload_optimizer="cpu"))
+    with pytest.raises(zj.StepOptionError, match="offload_optimizer"):
+        zj.make_train_step(pipe, offloaded)
+    with pytest.raises(zj.ConfigError, match="exactly the keys"):
+        pipe.loss({"blocks": PARAMS["blocks"]}, batches(1, 2)[0])
+    with pytest.raises(zj.ConfigError, match="schedule"):
+        gpt_pipeline(CFG, schedule="zigzag")
+
+
+def test_deepspeed_pipeline_block():
+    ds = {"pipeline": {"stages": 2, "activation_checkpoint_interval": 1}}
+    assert zj.pipeline.pipeline_options(ds, stages=2) == {"activation_checkpoint_interval": 1}
+    assert zj.pipeline.pipeline_options({}) == {"activation_checkpoint_interval": 0}
+    with pytest.raises(zj.ConfigError, match="pipeline.stages=2"):
+        zj.pipeline.pipeline_options(ds, stages=4)
+    with pytest.raises(zj.ConfigError, match="pipeline.activation_checkpoint"):
+        zj.pipeline.pipeline_options({"pipeline": {"activation_checkpoint_intervall": 1}})
+    for key, value in (("seed_layers", True), ("partition", "type:Block"), ("pipe_partitioned", False),
+                       ("grad_partitioned", False)):
+        with pytest.warns(zj.PipelineKeyWarning, match=f"pipeline.{key}"):
+            zj.pipeline.pipeline_options({"pipeline": {key: value}})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        zj.pipeline.pipeline_options({"pipeline": {"partition": "parameters", "stages": "auto"}})
+    # ZeroConfig does not read the block: it says where it is read
+    with pytest.warns(zj.IgnoredKeysWarning, match="pipeline_options"):
+        zj.ZeroConfig.from_deepspeed({"train_micro_batch_size_per_gpu": 1, **ds})

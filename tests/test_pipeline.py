@@ -10,7 +10,7 @@ import pytest
 import zerojax as zj
 from zerojax.models.gpt import GPTConfig
 from zerojax.models.gpt_pipeline import gpt_pipeline, init_pipeline_params
-from zerojax.pipeline.schedule import BACKWARD, FORWARD, IDLE, check, gpipe, one_f_one_b, theory_idle_fraction
+from zerojax.pipeline.schedule import NONE, SCHEDULES, check, make_schedule, theory_idle_fraction
 
 CFG = GPTConfig(vocab=32, n_layer=4, d_model=16, n_head=2, seq_len=4)
 PARAMS = init_pipeline_params(CFG, jax.random.PRNGKey(0))
@@ -62,29 +62,31 @@ def local_layers(x):
 
 
 # ------------------------------------------------------------------------------ schedules
-@pytest.mark.parametrize("make", [one_f_one_b, gpipe])
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
 @pytest.mark.parametrize("stages,micro", [(1, 3), (2, 4), (4, 2), (4, 8), (3, 16)])
-def test_schedule_is_valid_and_its_bubble_is_the_theory(make, stages, micro):
-    s = make(stages, micro)
+def test_schedule_is_valid_and_its_bubble_is_the_theory(name, stages, micro):
+    s = make_schedule(name, stages, micro)
     check(s)
-    assert s.ticks == 2 * (micro + stages - 1)
-    assert abs(s.idle_fraction - theory_idle_fraction(stages, micro)) < 1e-12
+    assert abs(s.idle_fraction() - theory_idle_fraction(stages, micro)) < 1e-12
     for st in range(stages):
-        assert sorted(s.micro[s.op[:, st] == FORWARD, st]) == list(range(micro))
-        assert sorted(s.micro[s.op[:, st] == BACKWARD, st]) == list(range(micro))
+        assert sorted(s.fwd[s.fwd[:, st] != NONE, st]) == list(range(micro))
+        assert sorted(s.bwd[s.bwd[:, st] != NONE, st]) == list(range(micro))
 
 
-def test_1f1b_keeps_at_most_p_inputs_in_flight_and_alternates():
-    s = one_f_one_b(4, 8)
-    assert s.slots == 4 and gpipe(4, 8).slots == 8
-    ops = [int(x) for x in s.op[:, 0] if x != IDLE]  # stage 0: 4 warm-up forwards, then B F B F ..., then Bs
-    assert ops == [FORWARD] * 4 + [BACKWARD, FORWARD] * 4 + [BACKWARD] * 4
+def test_1f1b_keeps_the_bubble_when_a_backward_costs_more():
+    """Fused ticks (a forward and a backward each) never wait on a neighbour's longer backward;
+    the serial order does, and keeps fewer inputs for it; GPipe keeps all M."""
+    fused, serial = make_schedule("1f1b", 4, 8), make_schedule("1f1b-serial", 4, 8)
+    assert abs(fused.idle_fraction(3.0) - theory_idle_fraction(4, 8)) < 1e-12
+    assert serial.idle_fraction(3.0) > 0.4
+    assert (fused.in_flight(), serial.in_flight(), make_schedule("gpipe", 4, 8).in_flight()) == (7, 4, 8)
+    stage0 = [("F" if f != NONE else "") + ("B" if b != NONE else "") for f, b in zip(serial.fwd[:, 0], serial.bwd[:, 0])]
+    assert [x for x in stage0 if x] == ["F"] * 4 + ["B", "F"] * 4 + ["B"] * 4  # DeepSpeed's TrainSchedule order
 
 
 def test_check_catches_a_broken_schedule():
-    s = one_f_one_b(2, 4)
-    s.op[[0, 1], 1] = s.op[[1, 0], 1]  # stage 1 runs a forward before stage 0 sent its input
-    s.micro[[0, 1], 1] = s.micro[[1, 0], 1]
+    s = make_schedule("1f1b", 2, 4)
+    s.fwd[[1, 2], 1] = s.fwd[[2, 1], 1]  # stage 1 forwards micro-batch 1 before stage 0 sent it
     with pytest.raises(AssertionError):
         check(s)
 
@@ -112,8 +114,9 @@ def test_gpt_pipeline_equals_plain_optax(shape, stage, micro):
 
 
 @pytest.mark.slow
-def test_stage3_clipping_gpipe_and_activation_checkpoints_equal_plain_optax():
-    pipe, tx = gpt_pipeline(CFG, schedule="gpipe", activation_checkpoint_interval=1), optax.adamw(1e-3)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b-serial"])
+def test_stage3_clipping_other_schedules_and_activation_checkpoints_equal_plain_optax(schedule):
+    pipe, tx = gpt_pipeline(CFG, schedule=schedule, activation_checkpoint_interval=1), optax.adamw(1e-3)
     data = batches(2, 4 * 4 * 2)
     ref, losses, norms = reference(pipe, tx, data, clip=0.5)
     assert min(norms) > 0.5  # the clipping acts

@@ -9,8 +9,9 @@ the shared update: the loss scale removed, one global norm over every stage's gr
 (:func:`zerojax.precision.global_norm` on the sharded arrays: XLA sums over "pipe" and
 data), DeepSpeed's clipping coefficient, the overflow skip, ``optax_update`` on each
 device's partition, the 16-bit params gathered back over data, and the loss scaler.
-Metrics: :data:`zerojax.contract.METRIC_KEYS` plus ``pipeline_idle``, the fraction of
-(tick, stage) slots the executed schedule left idle.
+Metrics: :data:`zerojax.contract.METRIC_KEYS` plus ``pipeline_idle``, the share of the
+stages' time the executed schedule left idle, from the forwards and backwards each stage
+counted at each tick (ticks in lockstep, a forward and a backward of equal cost).
 """
 from __future__ import annotations
 
@@ -62,18 +63,24 @@ def _check(model: PipelineModel, plan: ZeroPlan, options: dict) -> None:
                           f"the {plan.mesh.shape[PIPE]} pipeline stages. Fix: use a divisor of {per_stage}, or 0")
 
 
+def lockstep_idle(ran):
+    """The idle share of the stages' time from what they ran (i32[P, ticks, 2]), ticks in
+    lockstep and a forward costing what a backward does (:func:`zerojax.pipeline.schedule.idle_fraction`)."""
+    work = jnp.sum(ran, axis=-1).astype(jnp.float32)  # [P, ticks]
+    return 1.0 - jnp.sum(work) / (jnp.sum(jnp.max(work, axis=0)) * work.shape[0])
+
+
 def _step_fn(model: PipelineModel, plan: ZeroPlan, tx):
     cfg = plan.config
     fp16 = cfg.precision == "fp16"
     scaler = cfg.loss_scaler
     schedule = make_schedule(model.schedule, plan.mesh.shape[PIPE], cfg.gradient_accumulation_steps)
     grads_of = pipeline_grads_fn(model, plan, schedule)
-    slots = schedule.ticks * schedule.stages
 
     def train_step(state: TrainState, batch):
         scale = state.loss_scale.scale if fp16 else jnp.float32(1.0)
         key = update_key(jax.random.fold_in(state.rng, state.step))
-        scaled, loss, busy = grads_of(state.params, batch, scale)
+        scaled, loss, ran = grads_of(state.params, batch, scale)
         grads = jax.tree_util.tree_map(lambda g: g / scale, scaled)
         norm = global_norm(grads)
         finite = step_is_finite(norm, loss)
@@ -102,7 +109,7 @@ def _step_fn(model: PipelineModel, plan: ZeroPlan, tx):
             "loss_scale": scale,
             "skipped": skip,
             "error": error,
-            "pipeline_idle": 1.0 - jnp.sum(busy).astype(jnp.float32) / slots,
+            "pipeline_idle": lockstep_idle(ran),
         }
         return new_state, metrics
 

@@ -3,16 +3,17 @@
 Each device is one (stage, data rank) pair. It keeps its stage's layers (params["blocks"]
 split over "pipe" along the layer axis) and, replicated over "pipe", the embed (used on the
 first stage) and the head (on the last). At every tick of the schedule
-(:mod:`zerojax.pipeline.schedule`) a stage runs, per ``lax.switch`` on its row of the table:
+(:mod:`zerojax.pipeline.schedule`) a stage runs what its row of the tables says, each under
+a ``lax.cond`` (the stages of one program take different branches):
 
-    idle      nothing
-    forward   its layers on the input of micro-batch m (the first stage embeds the batch first)
-    backward  the same forward again under ``jax.vjp``, then its transpose with the gradient
-              the stage below sent (the last stage: with the head's loss), accumulated in fp32
+    forward   its layers on the input of micro-batch i (the first stage embeds the batch first)
+    backward  of micro-batch j: the same forward again under ``jax.vjp``, then its transpose
+              with the gradient the stage below sent (the last stage: with the head's loss),
+              accumulated in fp32
 
 then one ``ppermute`` sends every activation a stage down and every input gradient a stage
 up. A stage keeps only the inputs of its micro-batches in flight (``schedule.slots`` of
-them, P for 1F1B); the activations inside a stage live only during its backward (and, with
+them: 2 P - 1 for 1F1B, P for 1F1B-serial); the activations inside a stage live only during its backward (and, with
 ``activation_checkpoint_interval``, only every k layers' inputs then).
 
 After the last tick the embed's and head's gradients are summed over "pipe" (only the first
@@ -29,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from zerojax._compat import shard_map
 from zerojax.pipeline.model import PipelineModel
-from zerojax.pipeline.schedule import BACKWARD, FORWARD, IDLE, Schedule
+from zerojax.pipeline.schedule import NONE, Schedule
 from zerojax.plan import PIPE, ZeroPlan
 from zerojax.stages import collectives as C
 
@@ -46,14 +47,15 @@ def manual_spec(spec: P, manual) -> P:
 
 
 def pipeline_grads_fn(model: PipelineModel, plan: ZeroPlan, schedule: Schedule):
-    """(params, batch, scale) -> (grads, loss, busy): the gradients of ``scale`` x the mean loss in
-    ``plan.grad_shardings`` (fp32), the mean loss, and each stage's busy ticks (i32[P])."""
+    """(params, batch, scale) -> (grads, loss, ran): the gradients of ``scale`` x the mean loss in
+    ``plan.grad_shardings`` (fp32), the mean loss, and what each stage ran at each tick
+    (i32[P, ticks, 2]: forward, backward; counted by the executed program)."""
     data, n, stages = plan.data_axis, plan.n, plan.mesh.shape[PIPE]
     gas = plan.config.gradient_accumulation_steps
     manual = (PIPE, data)
     f32 = jnp.float32
-    op_table = jnp.asarray(schedule.op)
-    micro_table = jnp.asarray(schedule.micro)
+    fwd_table = jnp.asarray(schedule.fwd)
+    bwd_table = jnp.asarray(schedule.bwd)
     slots = schedule.slots
     down = [(i, i + 1) for i in range(stages - 1)]
     up = [(i + 1, i) for i in range(stages - 1)]
@@ -86,39 +88,38 @@ def pipeline_grads_fn(model: PipelineModel, plan: ZeroPlan, schedule: Schedule):
         loss_cotangent = scale / f32(n * gas)
 
         def tick(carry, t):
-            buf, recv_h, recv_g, acc, loss_sum, busy = carry
+            buf, recv_h, recv_g, acc, loss_sum = carry
             # the activation the stage above sent after the last tick goes to its micro-batch's slot
             above = jnp.maximum(stage - 1, 0)
-            arrived = (t > 0) & (stage > 0) & (op_table[t - 1, above] == FORWARD)
-            slot = micro_table[t - 1, above] % slots
+            came = fwd_table[jnp.maximum(t - 1, 0), above]
+            arrived = (t > 0) & (stage > 0) & (came != NONE)
+            slot = jnp.maximum(came, 0) % slots
             kept = jax.lax.dynamic_index_in_dim(buf, slot, keepdims=False)
             buf = jax.lax.dynamic_update_index_in_dim(buf, jnp.where(arrived, recv_h, kept), slot, 0)
-            kind, m = op_table[t, stage], micro_table[t, stage]
-            x = jax.lax.dynamic_index_in_dim(buf, m % slots, keepdims=False)
-            mb = micro_batch(m)
+            f_m, b_m = fwd_table[t, stage], bwd_table[t, stage]
 
-            def idle(acc):
-                return zeros_h, zeros_h, acc, f32(0.0)
-
-            def fwd(acc):
-                return forward(pe, pb, x, mb), zeros_h, acc, f32(0.0)
+            def fwd(_):
+                m = jnp.maximum(f_m, 0)
+                return forward(pe, pb, jax.lax.dynamic_index_in_dim(buf, m % slots, keepdims=False), micro_batch(m))
 
             def bwd(acc):
+                m = jnp.maximum(b_m, 0)
+                x, mb = jax.lax.dynamic_index_in_dim(buf, m % slots, keepdims=False), micro_batch(m)
                 (_, loss), pullback = jax.vjp(lambda a, b, c, xx: full(a, b, c, xx, mb), pe, pb, ph, x)
                 ge, gb, gh, gx = pullback((recv_g, loss_cotangent.astype(f32)))
                 acc = jax.tree_util.tree_map(lambda a, g: a + g.astype(f32), acc, (ge, gb, gh))
-                return zeros_h, gx.astype(h_like.dtype), acc, loss
+                return gx.astype(h_like.dtype), acc, loss
 
-            branches = [None] * 3
-            branches[IDLE], branches[FORWARD], branches[BACKWARD] = idle, fwd, bwd
-            h_out, g_out, acc, loss = jax.lax.switch(kind, branches, acc)
-            busy = busy + (kind != IDLE).astype(jnp.int32)
-            return (buf, send(h_out, down), send(g_out, up), acc, loss_sum + loss, busy), None
+            # the last stage's forward is the one its backward recomputes: nothing to send on
+            h_out = jax.lax.cond((f_m != NONE) & ~last, fwd, lambda _: zeros_h, None)
+            g_out, acc, loss = jax.lax.cond(b_m != NONE, bwd, lambda acc: (zeros_h, acc, f32(0.0)), acc)
+            ran = jnp.stack([f_m != NONE, b_m != NONE]).astype(jnp.int32)
+            return (buf, send(h_out, down), send(g_out, up), acc, loss_sum + loss), ran
 
         acc0 = jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, f32), (pe, pb, ph))
         buf0 = jnp.zeros((slots,) + h_like.shape, h_like.dtype)
-        carry0 = (buf0, zeros_h, zeros_h, acc0, f32(0.0), jnp.int32(0))
-        (_, _, _, (ge, gb, gh), loss_sum, busy), _ = jax.lax.scan(tick, carry0, jnp.arange(schedule.ticks))
+        carry0 = (buf0, zeros_h, zeros_h, acc0, f32(0.0))
+        (_, _, _, (ge, gb, gh), loss_sum), ran = jax.lax.scan(tick, carry0, jnp.arange(schedule.ticks))
 
         if stages > 1:  # the embed's gradient lives on the first stage, the head's on the last
             ge, gh = jax.lax.psum((ge, gh), PIPE)
@@ -134,7 +135,7 @@ def pipeline_grads_fn(model: PipelineModel, plan: ZeroPlan, schedule: Schedule):
 
         grads = plan.map(reduce, grads)
         loss = jax.lax.psum(loss_sum, (PIPE, data)) / f32(n * gas)
-        return grads, loss, busy[None]
+        return grads, loss, ran[None]
 
     param_specs = plan.map(lambda lay: manual_spec(lay.spec(lay.params_partitioned, data), manual))
     grad_specs = plan.map(lambda lay: manual_spec(lay.spec(plan.grad_partitioned(lay), data), manual))

@@ -30,7 +30,8 @@ class PipelineModel:
     ``activation_checkpoint_interval`` (DeepSpeed's ``pipeline.activation_checkpoint_interval``):
     0 keeps a stage's activations for its backward as jax does; k > 0 wraps every k layers in
     ``jax.checkpoint``, keeping only the inputs of each group of k (k must divide L / P).
-    ``schedule``: "1f1b" (DeepSpeed's, at most P stage inputs in flight) or "gpipe".
+    ``schedule``: "1f1b" (a forward and a backward per tick), "1f1b-serial" (DeepSpeed's order,
+    one op per tick) or "gpipe" (:mod:`zerojax.pipeline.schedule`).
     """
 
     embed: Callable

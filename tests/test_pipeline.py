@@ -124,8 +124,8 @@ def test_stage3_clipping_other_schedules_and_activation_checkpoints_equal_plain_
                       param_persistence_threshold=0)
     np.testing.assert_allclose([h["loss"] for h in hist], losses, atol=1e-5, rtol=0)
     assert_close_params(state, ref)
-    qkv = state.params["blocks"]["attn"]["qkv"]["kernel"]  # (L, d, 3d): layers over pipe, 3d over data
-    assert {s.data.shape for s in qkv.addressable_shards} == {(2, CFG.d_model, 3 * CFG.d_model // 4)}
+    qkv = state.params["blocks"]["attn"]["qkv"]["kernel"]  # (L, d, 3d): layers over pipe, d over data
+    assert {s.data.shape for s in qkv.addressable_shards} == {(2, CFG.d_model // 4, 3 * CFG.d_model)}
 
 
 @pytest.mark.slow

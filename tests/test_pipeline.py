@@ -80,7 +80,8 @@ def test_1f1b_keeps_the_bubble_when_a_backward_costs_more():
     assert abs(fused.idle_fraction(3.0) - theory_idle_fraction(4, 8)) < 1e-12
     assert serial.idle_fraction(3.0) > 0.4
     assert (fused.in_flight(), serial.in_flight(), make_schedule("gpipe", 4, 8).in_flight()) == (7, 4, 8)
-    stage0 = [("F" if f != NONE else "") + ("B" if b != NONE else "") for f, b in zip(serial.fwd[:, 0], serial.bwd[:, 0])]
+    stage0 = [("F" if f != NONE else "") + ("B" if b != NONE else "")
+              for f, b in zip(serial.fwd[:, 0], serial.bwd[:, 0])]
     assert [x for x in stage0 if x] == ["F"] * 4 + ["B", "F"] * 4 + ["B"] * 4  # DeepSpeed's TrainSchedule order
 
 
@@ -108,7 +109,8 @@ def test_gpt_pipeline_equals_plain_optax(shape, stage, micro):
     for x in jax.tree_util.tree_leaves(state.params["blocks"]):
         assert local_layers(x) == {CFG.n_layer // p}
     mu = state.opt_state[0].mu["blocks"]["mlp"]["fc"]["kernel"]  # (L, d, 4d): layers over pipe, d over data
-    assert {s.data.shape for s in mu.addressable_shards} == {(CFG.n_layer // p, CFG.d_model // shape[1], 4 * CFG.d_model)}
+    want = (CFG.n_layer // p, CFG.d_model // shape[1], 4 * CFG.d_model)
+    assert {s.data.shape for s in mu.addressable_shards} == {want}
     emb = state.opt_state[0].mu["embed"]["wte"]  # replicated over pipe, split over data
     assert {s.data.shape[0] for s in emb.addressable_shards} == {CFG.vocab // shape[1]}
 

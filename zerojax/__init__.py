@@ -31,7 +31,8 @@ from zerojax.errors import ZeroJaxError as ZeroJaxError
 from zerojax.errors import ZeroJaxWarning as ZeroJaxWarning
 
 __all__ = ["AutotuneError", "CheckpointError", "ConfigError", "DistributedError", "HostUpdateWarning",
-           "IgnoredKeysWarning", "LaunchError", "LossScaleError", "NonFiniteError", "NvmeError", "PipelineKeyWarning", "StepOptionError",
+           "IgnoredKeysWarning", "LaunchError", "LossScaleError", "NonFiniteError", "NvmeError", "PipelineKeyWarning",
+           "StepOptionError",
            "ZeroJaxError", "ZeroJaxWarning"]
 
 # config -> plan -> state
@@ -62,7 +63,8 @@ from zerojax.stages.stage3 import gather as gather
 from zerojax.step import TrainStep as TrainStep
 from zerojax.step import make_train_step as make_train_step
 
-__all__ += ["METRIC_KEYS", "Step", "initialize", "zero_optimizer", "pipeline", "PipelineModel", "gather", "TrainStep", "make_train_step"]
+__all__ += ["METRIC_KEYS", "Step", "initialize", "zero_optimizer", "pipeline", "PipelineModel", "gather", "TrainStep",
+            "make_train_step"]
 
 # checkpoint
 from zerojax import checkpoint as checkpoint

@@ -44,8 +44,9 @@ def _check(model: PipelineModel, plan: ZeroPlan, options: dict) -> None:
                           "(P = 1 for no pipeline), then zj.shard_train_state on it")
     given = {k: v for k, v in options.items() if v}
     if given:
-        raise StepOptionError(f"make_train_step(PipelineModel, ...): {', '.join(f'{k}={v!r}' for k, v in given.items())} "
-                              "is not supported by the pipeline step. Fix: drop it")
+        named = ", ".join(f"{k}={v!r}" for k, v in given.items())
+        raise StepOptionError(f"make_train_step(PipelineModel, ...): {named} is not supported by the "
+                              "pipeline step. Fix: drop it")
     for what, on in (("offload_optimizer", cfg.offload_optimizer), ("offload_param", cfg.offload_param),
                      ("zenflow", cfg.zenflow)):
         if on:

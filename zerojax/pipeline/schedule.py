@@ -129,7 +129,8 @@ def check(s: Schedule) -> None:
     """The executor's assumptions, checked on the table: each micro-batch's forward and
     backward on each stage once; a forward after the stage above sent its activation; a
     backward exactly one tick after the stage below it (the gradient is not buffered), and on
-    the last stage not before its own forward (in the same tick, the forward runs first); a stage input's slot not overwritten before its
+    the last stage not before its own forward (the same tick is fine: a backward recomputes
+    the forward from the stage input); a stage input's slot not overwritten before its
     backward has read it."""
     ticks, stages = s.fwd.shape
     t_of = {}

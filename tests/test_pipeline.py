@@ -224,3 +224,20 @@ def test_deepspeed_pipeline_block():
     # ZeroConfig does not read the block: it says where it is read
     with pytest.warns(zj.IgnoredKeysWarning, match="pipeline_options"):
         zj.ZeroConfig.from_deepspeed({"train_micro_batch_size_per_gpu": 1, **ds})
+
+
+@pytest.mark.slow
+def test_benchmark_smoke_prints_both_sections():
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    bench = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    out = subprocess.run([sys.executable, str(bench / "pipeline.py"), "--smoke"], cwd=bench, env=env,
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "theory" in out.stdout and "0.3333" in out.stdout  # P = 2, M = 2
+    for name in ("pipe 2 x data 4, ZeRO-1", "pipe 4 x data 2, ZeRO-1", "data 8, ZeRO-1", "data 8, ZeRO-3"):
+        assert name in out.stdout

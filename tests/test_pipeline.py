@@ -1,4 +1,8 @@
 """PipelineModel over a "pipe" mesh axis against plain optax on ``pipe.loss`` (tiny GPT, fp32)."""
+import os
+import pathlib
+import subprocess
+import sys
 import warnings
 
 import jax
@@ -228,11 +232,6 @@ def test_deepspeed_pipeline_block():
 
 @pytest.mark.slow
 def test_benchmark_smoke_prints_both_sections():
-    import os
-    import pathlib
-    import subprocess
-    import sys
-
     bench = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     out = subprocess.run([sys.executable, str(bench / "pipeline.py"), "--smoke"], cwd=bench, env=env,

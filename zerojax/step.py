@@ -61,7 +61,8 @@ def make_train_step(loss_fn: Callable, state: TrainState, *, has_aux: bool = Fal
     """
     if isinstance(loss_fn, PipelineModel):  # a pipeline over the mesh's "pipe" axis (zerojax.pipeline)
         return make_pipeline_step(loss_fn, state, donate=donate, check_errors=check_errors, has_aux=has_aux,
-                                  fused_adam=fused_adam, fused_block_size=fused_block_size != 4096 and fused_block_size)
+                                  fused_adam=fused_adam, fused_block_size=None if fused_block_size == 4096
+                                  else fused_block_size)
     path = _path_name(state)
     if path != "device":
         if fused_adam:

@@ -6,7 +6,7 @@
     step = zj.make_train_step(pipe, state)
 
     model.py     PipelineModel: embed, stacked blocks, head; the plain loss
-    schedule.py  1F1B and GPipe as tables of ticks
+    schedule.py  1F1B, DeepSpeed's serial 1F1B and GPipe as tables of ticks
     grads.py     the tick loop: stage forwards and backwards, ppermute between stages
     engine.py    the step: pipelined gradients, then the shared update
     config.py    DeepSpeed's "pipeline" block

@@ -33,14 +33,15 @@ from zerojax.errors import NonFiniteError as NonFiniteError
 from zerojax.errors import NvmeError as NvmeError
 from zerojax.errors import OptimizerError as OptimizerError
 from zerojax.errors import StateError as StateError
+from zerojax.errors import PipelineKeyWarning as PipelineKeyWarning
 from zerojax.errors import StepOptionError as StepOptionError
 from zerojax.errors import ZeroJaxError as ZeroJaxError
 from zerojax.errors import ZeroJaxWarning as ZeroJaxWarning
 
 __all__ = ["AutotuneError", "BatchError", "CheckpointError", "ConfigError", "DeprecatedKeyWarning", "DistributedError",
-           "HostUpdateWarning",
-           "IgnoredKeysWarning", "LaunchError", "LossScaleError", "NativeKernelWarning", "NonFiniteError", "NvmeError",
-           "OptimizerError", "StateError", "StepOptionError", "ZeroJaxError", "ZeroJaxWarning"]
+           "HostUpdateWarning", "IgnoredKeysWarning", "LaunchError", "LossScaleError", "NativeKernelWarning",
+           "NonFiniteError", "NvmeError", "OptimizerError", "PipelineKeyWarning", "StateError", "StepOptionError",
+           "ZeroJaxError", "ZeroJaxWarning"]
 
 # config -> plan -> state
 from zerojax.config import TrainingArgs as TrainingArgs
@@ -65,11 +66,14 @@ from zerojax.contract import METRIC_KEYS as METRIC_KEYS
 from zerojax.contract import Step as Step
 from zerojax.initialize import initialize as initialize
 from zerojax.optim import zero_optimizer as zero_optimizer
+from zerojax import pipeline as pipeline
+from zerojax.pipeline import PipelineModel as PipelineModel
 from zerojax.stages.stage3 import gather as gather
 from zerojax.step import TrainStep as TrainStep
 from zerojax.step import make_train_step as make_train_step
 
-__all__ += ["METRIC_KEYS", "Step", "initialize", "zero_optimizer", "gather", "TrainStep", "make_train_step"]
+__all__ += ["METRIC_KEYS", "Step", "initialize", "zero_optimizer", "pipeline", "PipelineModel", "gather", "TrainStep",
+            "make_train_step"]
 
 # monitors
 from zerojax import monitor as monitor

@@ -113,3 +113,7 @@ class DeprecatedKeyWarning(ZeroJaxWarning, FutureWarning):
 
 class HostUpdateWarning(ZeroJaxWarning):
     """optimizer offload could not run this optimizer's update on the host (it runs on the device)."""
+
+
+class PipelineKeyWarning(IgnoredKeysWarning):
+    """A key of DeepSpeed's "pipeline" block that has no meaning for zj.PipelineModel; the message names it."""

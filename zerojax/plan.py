@@ -34,6 +34,7 @@ from zerojax.errors import ConfigError, IgnoredKeysWarning
 from zerojax.precision import compute_dtype
 
 DEVICE = "device"
+PIPE = "pipe"  # the mesh axis a PipelineModel's layers are split over (zerojax.pipeline)
 
 
 def path_str(path) -> str:
@@ -115,6 +116,22 @@ def _base_spec(leaf, user_spec, mesh: Mesh, data_axis: str, path: str) -> Tuple[
                 raise ConfigError(f"param {path!r}: annotation uses mesh axis {n!r} but the mesh has {mesh.axis_names}")
         clean.append(None if not names else names[0] if len(names) == 1 else names)
     return tuple(clean)
+
+
+def _pipe_split(base: Tuple[Any, ...], shape, mesh: Mesh, path: str) -> Tuple[Any, ...]:
+    """A pipeline's layers (the leaves under ``params["blocks"]``, stacked on a leading layer
+    axis) are split over the mesh's "pipe" axis along that axis: each stage stores its L/P
+    consecutive layers, and their gradients and optimizer state (zerojax.pipeline)."""
+    if PIPE not in mesh.axis_names or path.split("/")[0] != "blocks":
+        return base
+    stages = mesh.shape[PIPE]
+    if not shape or base[0] is not None or shape[0] % stages:
+        raise ConfigError(
+            f"param {path!r} (shape {tuple(shape)}, annotation {P(*base)}): the mesh's {PIPE!r} axis splits the "
+            f"leading layer axis of every leaf under params['blocks'] into {stages} stages, so that axis must be "
+            f"free and a multiple of {stages}. Fix: stack the blocks' leaves on a leading layer axis with a number "
+            f"of layers divisible by {stages}, or build the mesh with another {PIPE!r} size")
+    return (PIPE,) + tuple(base[1:])
 
 
 # at stages 1-2 a split that is not along the leading dim moves a strided slab in every
@@ -247,7 +264,7 @@ class ZeroPlan:
             if not jnp.issubdtype(leaf.dtype, jnp.floating):
                 raise ConfigError(f"param {name!r} has dtype {leaf.dtype}; trainable params must be floating point")
             shape = tuple(int(s) for s in leaf.shape)
-            base = _base_spec(leaf, user_spec, mesh, data_axis, name)
+            base = _pipe_split(_base_spec(leaf, user_spec, mesh, data_axis, name), shape, mesh, name)
             axis, padded = _choose_axis(shape, base, n, config.stage)
             big = math.prod(shape) >= config.param_persistence_threshold
             layouts.append(

@@ -6,6 +6,7 @@ The path follows from the state's config:
     ZeroConfig(offload_optimizer="nvme")      offload.nvme_step.HostLoopStep  optimizer state in files
     anything else                             stages.device_step.TrainStep    one jitted program (stages 0–3,
                                                                               offload to host memory, fused Adam)
+    a zj.PipelineModel instead of a loss      pipeline.engine.PipelineStep    stages over the mesh's "pipe" axis
 
 Each implements :class:`zerojax.contract.Step`: ``step(state, batch) -> (state, metrics)``,
 ``lower``, ``finish`` and ``close``, with the same metric keys and errors. An option a path
@@ -24,6 +25,7 @@ from zerojax.kernels.fused_update import fused_adam_ok
 from zerojax.monitor import Monitors, monitored
 from zerojax.offload.nvme_step import HostLoopStep
 from zerojax.offload.zenflow import ZenFlowStep
+from zerojax.pipeline import PipelineModel, make_pipeline_step
 from zerojax.stages.device_step import TrainStep, build_device_step
 from zerojax.stages.update import takes_value
 from zerojax.state import TrainState
@@ -91,6 +93,10 @@ def make_train_step(loss_fn: Callable, state: TrainState, *, has_aux: bool = Fal
     if monitors is not None:
         return monitored(make_train_step(loss_fn, state, has_aux=has_aux, donate=donate, check_errors=check_errors,
                                          fused_adam=fused_adam, fused_block_size=fused_block_size), monitors)
+    if isinstance(loss_fn, PipelineModel):  # a pipeline over the mesh's "pipe" axis (zerojax.pipeline)
+        return make_pipeline_step(loss_fn, state, donate=donate, check_errors=check_errors, has_aux=has_aux,
+                                  fused_adam=fused_adam, fused_block_size=None if fused_block_size == 4096
+                                  else fused_block_size)
     _check_extra_args(state)
     path = _path_name(state)
     if path != "device":

@@ -326,7 +326,9 @@ TOP: dict = {
     "checkpoint": _ignored(None, None, "zerojax's CheckpointManager has its own options", on_off=True),
     "datastates_ckpt": _ignored(None, None, "zerojax's CheckpointManager writes asynchronously", on_off=True),
     "aio": _ignored(None, None, "zerojax's NVMe store does its own I/O", on_off=True),
-    "pipeline": _ignored(None, None, "zerojax has no pipeline parallelism", on_off=True),
+    # the block is read by zj.pipeline.pipeline_options (zerojax/pipeline/config.py), not by ZeroConfig
+    "pipeline": _ignored(None, None, "ZeroConfig does not read it: pass zj.pipeline.pipeline_options(config) to "
+                         "zj.PipelineModel (docs/pipeline.md)", on_off=True),
     "hybrid_engine": _ignored(None, None, _NOT_HERE, on_off=True, subkeys=(
         "enabled", "max_out_tokens", "inference_tp_size", "release_inference_cache", "pin_parameters",
         "tp_gather_partition_size", "enable_cuda_graph")),

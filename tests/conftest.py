@@ -26,3 +26,27 @@ if os.environ.get("ZEROJAX_TEST_JIT_CACHE", "1") != "0" and "JAX_COMPILATION_CAC
 def pytest_sessionfinish(session, exitstatus):
     if _OWN_CACHE is not None:
         shutil.rmtree(_OWN_CACHE, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------- the two tiers
+# `pytest -m "not slow"` is the quick tier. A test is slow when it is marked in its file or listed
+# here (file::name, every parametrisation of it), with the seconds it took on a loaded 2-core
+# machine. The quick tier keeps at least one test of every file, so every feature is still touched.
+SLOW = {
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    import pytest
+
+    seen = set()
+    for item in items:
+        name = item.nodeid.split("[", 1)[0]
+        if name in SLOW:
+            item.add_marker(pytest.mark.slow)
+            seen.add(name)
+    collected_files = {item.nodeid.split("::", 1)[0] for item in items}
+    whole_files = not any("::" in str(a) for a in config.args)
+    stale = [n for n in SLOW if whole_files and n.split("::", 1)[0] in collected_files and n not in seen]
+    if stale:  # a renamed or deleted test would silently leave the slow tier
+        raise pytest.UsageError(f"tests/conftest.py SLOW names tests that do not exist: {stale}")

@@ -30,9 +30,43 @@ def pytest_sessionfinish(session, exitstatus):
 
 # --------------------------------------------------------------------------- the two tiers
 # `pytest -m "not slow"` is the quick tier. A test is slow when it is marked in its file or listed
-# here (file::name, every parametrisation of it), with the seconds it took on a loaded 2-core
-# machine. The quick tier keeps at least one test of every file, so every feature is still touched.
+# here (file::name: every parametrisation of it), with why. What stays in the quick tier still
+# touches every feature at small shapes: each file below keeps its cheaper tests (the quick tier
+# keeps, e.g., every stage's accumulation-and-clipping parity, the config reader's own tests, the
+# launcher's failure handling on plain scripts, plan_step in process).
 SLOW = {
+    # a fresh JAX process each, compiling every contender (199 s and 171 s before their smoke modes
+    # shared compiled contenders)
+    "tests/test_benchmarks.py::test_gpu_check_smoke_runs_every_section": "subprocess, many compiles",
+    "tests/test_benchmarks.py::test_vs_plain_jax_smoke_prints_every_ratio_in_pairs": "subprocess, many compiles",
+    # every stage x every optimizer against plain optax, 10 steps each: 32 compiled steps + references
+    "tests/test_step.py::test_matches_plain_optax_fp32": "32 compiled steps",
+    # 65 real DeepSpeed configs, each through zj.initialize and three steps
+    "tests/config/test_ds_corpus.py::test_corpus_file": "65 compiled steps",
+    # two launched processes of four devices (one launch shared by these checks)
+    "tests/runtime/test_distributed.py::test_pair_is_two_processes_of_four_devices": "2-process launch",
+    "tests/runtime/test_distributed.py::test_shard_batch_puts_each_process_rows_in_order": "2-process launch",
+    "tests/runtime/test_distributed.py::test_two_processes_match_one_process": "2-process launch",
+    "tests/runtime/test_distributed.py::test_memory_report_counts_every_process": "2-process launch",
+    "tests/runtime/test_distributed.py::test_checkpoint_saved_by_one_process_restores_in_two": "2-process launch",
+    "tests/runtime/test_distributed.py::test_checkpoint_saved_by_two_processes_restores_in_one": "2-process launch",
+    "tests/runtime/test_distributed.py::test_consolidate_a_two_process_checkpoint": "2-process launch",
+    "tests/runtime/test_distributed.py::test_uneven_rows_across_processes_is_an_error": "2-process launch",
+    "tests/runtime/test_distributed.py::test_killed_worker_stops_the_launch": "2 JAX processes",
+    "tests/runtime/test_distributed.py::test_unreachable_coordinator_fails_with_a_message": "JAX processes, timeouts",
+    "tests/runtime/test_distributed.py::test_torchrun_environment_starts_two_real_processes": "2 JAX processes",
+    "tests/runtime/test_distributed.py::test_torchrun_check_catches_a_start_up_that_ignores_torchrun": "2 JAX processes",
+    # checkpoints written by killed or zerojax-free child processes
+    "tests/checkpoint/test_checkpoint.py::test_killed_saves_leave_a_restorable_checkpoint": "child processes",
+    "tests/checkpoint/test_checkpoint.py::test_killed_save_check_catches_a_restore_of_an_older_step": "child processes",
+    "tests/checkpoint/test_checkpoint.py::test_plain_orbax_reads_a_checkpoint_on_one_device_without_zerojax":
+        "child process",
+    # autotune compiles every candidate of a search; plan_step for 16 devices starts a child
+    "tests/tools/test_autotune.py::test_table_covers_every_candidate_and_fits_follow_compiled_peaks": "many compiles",
+    "tests/tools/test_autotune.py::test_recommendation_fits_and_moves_when_the_budget_drops_below_it": "many compiles",
+    "tests/tools/test_autotune.py::test_timed_mode_measures_real_steps_and_picks_the_fastest": "timed steps",
+    "tests/tools/test_planning.py::test_subprocess_plans_more_devices_than_this_process_has": "child process",
+    "tests/test_optim.py::test_donated_state_in_callers_jit": "child process per case",
 }
 
 

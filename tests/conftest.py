@@ -30,7 +30,7 @@ def pytest_sessionfinish(session, exitstatus):
 
 # --------------------------------------------------------------------------- the two tiers
 # `pytest -m "not slow"` is the quick tier. A test is slow when it is marked in its file or listed
-# here (file::name: every parametrisation of it), with why. What stays in the quick tier still
+# here (file::name: every parametrisation of it, or all but the case id given beside why). What stays in the quick tier still
 # touches every feature at small shapes: each file below keeps its cheaper tests (the quick tier
 # keeps, e.g., every stage's accumulation-and-clipping parity, the config reader's own tests, the
 # launcher's failure handling on plain scripts, plan_step in process).
@@ -67,6 +67,34 @@ SLOW = {
     "tests/tools/test_autotune.py::test_timed_mode_measures_real_steps_and_picks_the_fastest": "timed steps",
     "tests/tools/test_planning.py::test_subprocess_plans_more_devices_than_this_process_has": "child process",
     "tests/test_optim.py::test_donated_state_in_callers_jit": "child process per case",
+    # from --durations of the full suite (seconds on a machine loaded 5-10x: a third to a tenth idle)
+    "tests/stages/test_collectives.py::test_bucket_sizes_set_the_number_of_collectives": "401 s, 2 cases",
+    "tests/stages/test_collectives.py::test_reduce_once_per_step_in_stages_0_and_1_but_per_micro_batch_in_2": "263 s",
+    "tests/stages/test_collectives.py::test_collective_kinds_and_volume_per_stage": ("97 s, 4 stages", "3"),
+    "tests/stages/test_collectives.py::test_stage3_gathers_per_micro_batch_and_again_for_backward_beyond_the_distance":
+        ("142 s, 2 cases", "keep"),
+    "tests/stages/test_collectives.py::test_stage3_issues_the_prefetched_gathers_as_one_collective": "56 s",
+    "tests/stages/test_collectives.py::test_stage3_matches_plain_optax_for_every_model_kind": ("75 s", "python_loop"),
+    "tests/offload/test_offload_placement.py::test_offloaded_optimizer_equals_plain_optax_for_every_optimizer":
+        ("250 s, 8 optimizers", "adamw"),
+    "tests/offload/test_offload_placement.py::test_offloaded_state_in_host_memory_trains_like_on_device":
+        ("76 s, 3 cases", "config0-device_parts0-pinned_host"),
+    "tests/offload/test_offload_ratio.py::test_ratio_half_trains_like_full_offload_no_offload_and_plain_optax":
+        ("182 s, 3 precisions", "fp32"),
+    "tests/offload/test_offload_ratio.py::test_every_per_leaf_optimizer_splits": ("181 s, 7 optimizers", "adamw"),
+    "tests/offload/test_offload_ratio.py::test_checkpoint_moves_between_ratio_half_and_full_offload": "77 s",
+    "tests/offload/test_offload_ratio.py::test_factored_adafactor_statistics_follow_their_param": "50 s",
+    "tests/offload/test_zenflow.py::test_zenflow_follows_the_numpy_reference_step_by_step": ("153 s, 3 cases", "sync"),
+    "tests/offload/test_zenflow.py::test_staleness_bound": ("147 s, 3 cases", "False-3"),
+    "tests/offload/test_zenflow.py::test_state_carries_only_params_and_checkpoints_round_trip": "95 s",
+    "tests/offload/test_zenflow.py::test_all_columns_important_equals_plain_adamw": "73 s",
+    "tests/offload/test_zenflow.py::test_selection_picks_the_rows_with_the_largest_gradient_l1_norms": "63 s",
+    "tests/offload/test_zenflow.py::test_learning_rate_schedule_is_followed_on_device_and_host": "58 s",
+    "tests/kernels/test_fused_adam.py::test_the_step_updates_with_the_fused_kernel_like_the_reference":
+        ("96 s, 3 cases", "3-fp32"),
+    "tests/checkpoint/test_checkpoint.py::test_resume_is_bitwise_exact": ("60 s, 2 precisions", "fp32"),
+    "tests/models/test_classifier_task.py::test_a_few_fine_tuning_steps_reduce_the_loss": "36 s",
+    "tests/runtime/test_distributed.py::test_ctrl_c_reaches_every_rank": "28 s, 2 processes",
 }
 
 
@@ -75,10 +103,15 @@ def pytest_collection_modifyitems(config, items):
 
     seen = set()
     for item in items:
-        name = item.nodeid.split("[", 1)[0]
-        if name in SLOW:
-            item.add_marker(pytest.mark.slow)
-            seen.add(name)
+        name, _, param = item.nodeid.partition("[")
+        entry = SLOW.get(name)
+        if entry is None:
+            continue
+        seen.add(name)
+        # ("why", "case id"): every case is slow but that one, which keeps the test in the quick tier
+        if isinstance(entry, tuple) and param.rstrip("]") == entry[1]:
+            continue
+        item.add_marker(pytest.mark.slow)
     collected_files = {item.nodeid.split("::", 1)[0] for item in items}
     whole_files = not any("::" in str(a) for a in config.args)
     stale = [n for n in SLOW if whole_files and n.split("::", 1)[0] in collected_files and n not in seen]

@@ -116,12 +116,14 @@ def stage3_peak(cfg, batch):
 
 
 def section(fn, *args):
+    t0 = time.perf_counter()
     try:
         fn(*args)
     except Exception:  # noqa: BLE001 - one failed section must not hide the others' figures
         print("  FAILED:")
         traceback.print_exc(file=sys.stdout)
         return False
+    print(f"  ({fn.__name__}: {time.perf_counter() - t0:.0f} s)")
     return True
 
 
@@ -135,9 +137,10 @@ def main():
     if args.smoke:
         n, reps, rounds, steps = 2**14, 2, 1, 1
         gpt = GPTConfig(vocab=517, n_layer=1, d_model=32, n_head=2, seq_len=8)
+        # one ratio and one optimizer: every ratio of the same code is smoke-tested by vs_plain_jax.py --smoke
         shapes = argparse.Namespace(shapes=["smoke"], seq=8, batch=16, rounds=1, steps=1, opt_params=4096 * 8,
-                                    pairs=False, opt_tx=["adamw", "lion"], gpt2_devices=len(jax.devices()),
-                                    ratios=list(vs_plain_jax.RATIOS))
+                                    pairs=False, opt_tx=["adamw"], gpt2_devices=len(jax.devices()),
+                                    ratios=["s3/s0"], smoke=True)
         batch_rows = 16
     else:
         n, reps, rounds, steps = 256 * 2**20, 10, 3, 3

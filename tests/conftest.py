@@ -1,7 +1,119 @@
-"""Every test runs on 8 simulated CPU devices (set before jax is first imported)."""
+"""Every test runs on 8 simulated CPU devices (set before jax is first imported).
+
+Within one run, compiled programs are kept in JAX's persistent compilation cache, in a
+temporary directory removed at the end: many tests build the same step for the same model and
+config, and the subprocesses the suite starts (benchmark smoke runs, multi-process workers,
+the docs snippets) inherit the directory through the environment. ZEROJAX_TEST_JIT_CACHE=0
+turns it off; a directory given in JAX_COMPILATION_CACHE_DIR is used and kept.
+"""
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+_OWN_CACHE = None
+if os.environ.get("ZEROJAX_TEST_JIT_CACHE", "1") != "0" and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _OWN_CACHE = tempfile.mkdtemp(prefix="zerojax-test-jit-cache-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _OWN_CACHE
+    # every program is worth keeping: the suite's programs are small and compile in well under a second
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _OWN_CACHE is not None:
+        shutil.rmtree(_OWN_CACHE, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------- the two tiers
+# `pytest -m "not slow"` is the quick tier. A test is slow when it is marked in its file or listed
+# here (file::name: every parametrisation of it, or all but the case id given beside why). What stays in the quick tier still
+# touches every feature at small shapes: each file below keeps its cheaper tests (the quick tier
+# keeps, e.g., every stage's accumulation-and-clipping parity, the config reader's own tests, the
+# launcher's failure handling on plain scripts, plan_step in process).
+SLOW = {
+    # a fresh JAX process each, compiling every contender (199 s and 171 s before their smoke modes
+    # shared compiled contenders)
+    "tests/test_benchmarks.py::test_gpu_check_smoke_runs_every_section": "subprocess, many compiles",
+    "tests/test_benchmarks.py::test_vs_plain_jax_smoke_prints_every_ratio_in_pairs": "subprocess, many compiles",
+    # every stage x every optimizer against plain optax, 10 steps each: 32 compiled steps + references
+    "tests/test_step.py::test_matches_plain_optax_fp32": "32 compiled steps",
+    # 65 real DeepSpeed configs, each through zj.initialize and three steps
+    "tests/config/test_ds_corpus.py::test_corpus_file": "65 compiled steps",
+    # two launched processes of four devices (one launch shared by these checks)
+    "tests/runtime/test_distributed.py::test_pair_is_two_processes_of_four_devices": "2-process launch",
+    "tests/runtime/test_distributed.py::test_shard_batch_puts_each_process_rows_in_order": "2-process launch",
+    "tests/runtime/test_distributed.py::test_two_processes_match_one_process": "2-process launch",
+    "tests/runtime/test_distributed.py::test_memory_report_counts_every_process": "2-process launch",
+    "tests/runtime/test_distributed.py::test_checkpoint_saved_by_one_process_restores_in_two": "2-process launch",
+    "tests/runtime/test_distributed.py::test_checkpoint_saved_by_two_processes_restores_in_one": "2-process launch",
+    "tests/runtime/test_distributed.py::test_consolidate_a_two_process_checkpoint": "2-process launch",
+    "tests/runtime/test_distributed.py::test_uneven_rows_across_processes_is_an_error": "2-process launch",
+    "tests/runtime/test_distributed.py::test_killed_worker_stops_the_launch": "2 JAX processes",
+    "tests/runtime/test_distributed.py::test_unreachable_coordinator_fails_with_a_message": "JAX processes, timeouts",
+    "tests/runtime/test_distributed.py::test_torchrun_environment_starts_two_real_processes": "2 JAX processes",
+    "tests/runtime/test_distributed.py::test_torchrun_check_catches_a_start_up_that_ignores_torchrun": "2 JAX processes",
+    # checkpoints written by killed or zerojax-free child processes
+    "tests/checkpoint/test_checkpoint.py::test_killed_saves_leave_a_restorable_checkpoint": "child processes",
+    "tests/checkpoint/test_checkpoint.py::test_killed_save_check_catches_a_restore_of_an_older_step": "child processes",
+    "tests/checkpoint/test_checkpoint.py::test_plain_orbax_reads_a_checkpoint_on_one_device_without_zerojax":
+        "child process",
+    # autotune compiles every candidate of a search; plan_step for 16 devices starts a child
+    "tests/tools/test_autotune.py::test_table_covers_every_candidate_and_fits_follow_compiled_peaks": "many compiles",
+    "tests/tools/test_autotune.py::test_recommendation_fits_and_moves_when_the_budget_drops_below_it": "many compiles",
+    "tests/tools/test_autotune.py::test_timed_mode_measures_real_steps_and_picks_the_fastest": "timed steps",
+    "tests/tools/test_planning.py::test_subprocess_plans_more_devices_than_this_process_has": "child process",
+    "tests/test_optim.py::test_donated_state_in_callers_jit": "child process per case",
+    # from --durations of the full suite (seconds on a machine loaded 5-10x: a third to a tenth idle)
+    "tests/stages/test_collectives.py::test_bucket_sizes_set_the_number_of_collectives": "401 s, 2 cases",
+    "tests/stages/test_collectives.py::test_reduce_once_per_step_in_stages_0_and_1_but_per_micro_batch_in_2": "263 s",
+    "tests/stages/test_collectives.py::test_collective_kinds_and_volume_per_stage": ("97 s, 4 stages", "3"),
+    "tests/stages/test_collectives.py::test_stage3_gathers_per_micro_batch_and_again_for_backward_beyond_the_distance":
+        ("142 s, 2 cases", "keep"),
+    "tests/stages/test_collectives.py::test_stage3_issues_the_prefetched_gathers_as_one_collective": "56 s",
+    "tests/stages/test_collectives.py::test_stage3_matches_plain_optax_for_every_model_kind": ("75 s", "python_loop"),
+    "tests/offload/test_offload_placement.py::test_offloaded_optimizer_equals_plain_optax_for_every_optimizer":
+        ("250 s, 8 optimizers", "adamw"),
+    "tests/offload/test_offload_placement.py::test_offloaded_state_in_host_memory_trains_like_on_device":
+        ("76 s, 3 cases", "config0-device_parts0-pinned_host"),
+    "tests/offload/test_offload_ratio.py::test_ratio_half_trains_like_full_offload_no_offload_and_plain_optax":
+        ("182 s, 3 precisions", "fp32"),
+    "tests/offload/test_offload_ratio.py::test_every_per_leaf_optimizer_splits": ("181 s, 7 optimizers", "adamw"),
+    "tests/offload/test_offload_ratio.py::test_checkpoint_moves_between_ratio_half_and_full_offload": "77 s",
+    "tests/offload/test_offload_ratio.py::test_factored_adafactor_statistics_follow_their_param": "50 s",
+    "tests/offload/test_zenflow.py::test_zenflow_follows_the_numpy_reference_step_by_step": ("153 s, 3 cases", "sync"),
+    "tests/offload/test_zenflow.py::test_staleness_bound": ("147 s, 3 cases", "False-3"),
+    "tests/offload/test_zenflow.py::test_state_carries_only_params_and_checkpoints_round_trip": "95 s",
+    "tests/offload/test_zenflow.py::test_all_columns_important_equals_plain_adamw": "73 s",
+    "tests/offload/test_zenflow.py::test_selection_picks_the_rows_with_the_largest_gradient_l1_norms": "63 s",
+    "tests/offload/test_zenflow.py::test_learning_rate_schedule_is_followed_on_device_and_host": "58 s",
+    "tests/kernels/test_fused_adam.py::test_the_step_updates_with_the_fused_kernel_like_the_reference":
+        ("96 s, 3 cases", "3-fp32"),
+    "tests/checkpoint/test_checkpoint.py::test_resume_is_bitwise_exact": ("60 s, 2 precisions", "fp32"),
+    "tests/models/test_classifier_task.py::test_a_few_fine_tuning_steps_reduce_the_loss": "36 s",
+    "tests/runtime/test_distributed.py::test_ctrl_c_reaches_every_rank": "28 s, 2 processes",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    import pytest
+
+    seen = set()
+    for item in items:
+        name, _, param = item.nodeid.partition("[")
+        entry = SLOW.get(name)
+        if entry is None:
+            continue
+        seen.add(name)
+        # ("why", "case id"): every case is slow but that one, which keeps the test in the quick tier
+        if isinstance(entry, tuple) and param.rstrip("]") == entry[1]:
+            continue
+        item.add_marker(pytest.mark.slow)
+    collected_files = {item.nodeid.split("::", 1)[0] for item in items}
+    whole_files = not any("::" in str(a) for a in config.args)
+    stale = [n for n in SLOW if whole_files and n.split("::", 1)[0] in collected_files and n not in seen]
+    if stale:  # a renamed or deleted test would silently leave the slow tier
+        raise pytest.UsageError(f"tests/conftest.py SLOW names tests that do not exist: {stale}")

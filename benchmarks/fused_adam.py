@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from zerojax.kernels.fused_adam import fused_adamw
+from zerojax.kernels._fused_adam import fused_adamw
 
 LR, WD = 1e-3, 0.01
 

@@ -51,9 +51,9 @@ import numpy as np
 import optax
 
 import zerojax as zj
-from zerojax.kernels import native
-from zerojax.offload.host_adam import HostAdamW
-from zerojax.offload.host_buffers import host_zeros
+from zerojax.kernels import _native as native
+from zerojax.offload._host_adam import HostAdamW
+from zerojax.offload._host_buffers import host_zeros
 
 DS_DRIVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_ds_cpu_adam.py")
 

@@ -22,7 +22,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 import zerojax as zj  # noqa: E402
-from zerojax.tools.estimate import estimate, zero_paper_bytes  # noqa: E402
+from zerojax.tools._estimate import estimate, zero_paper_bytes  # noqa: E402
 from zerojax.models.gpt import GPT2_SMALL, init_params  # noqa: E402
 
 PRECISIONS = ("fp32", "bf16")

@@ -27,7 +27,7 @@ import optax  # noqa: E402
 
 import zerojax as zj  # noqa: E402
 from zerojax.models.gpt import GPT2_SMALL, init_params  # noqa: E402
-from zerojax.tools.estimate import zero_paper_bytes  # noqa: E402
+from zerojax.tools._estimate import zero_paper_bytes  # noqa: E402
 
 
 def formula(stage: int, precision: str, psi: int, n: int) -> float:

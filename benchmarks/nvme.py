@@ -25,8 +25,8 @@ import time
 import jax.numpy as jnp
 import numpy as np
 
-from zerojax.offload.host_adam import HostAdamW
-from zerojax.offload.nvme import NvmeOptimizerStore
+from zerojax.offload._host_adam import HostAdamW
+from zerojax.offload._nvme import NvmeOptimizerStore
 
 
 def status_kib(field: str) -> int:

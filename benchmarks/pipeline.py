@@ -33,8 +33,8 @@ import optax  # noqa: E402
 import zerojax as zj  # noqa: E402
 from zerojax.models.gpt import GPTConfig  # noqa: E402
 from zerojax.models.gpt_pipeline import gpt_pipeline, init_pipeline_params  # noqa: E402
-from zerojax.pipeline.grads import pipeline_grads_fn  # noqa: E402
-from zerojax.pipeline.schedule import idle_fraction, make_schedule, theory_idle_fraction  # noqa: E402
+from zerojax.pipeline._grads import pipeline_grads_fn  # noqa: E402
+from zerojax.pipeline._schedule import idle_fraction, make_schedule, theory_idle_fraction  # noqa: E402
 
 MIB = 2 ** 20
 

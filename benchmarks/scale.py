@@ -22,9 +22,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import zerojax as zj  # noqa: E402
-from zerojax.tools.estimate import zero_paper_bytes  # noqa: E402
+from zerojax.tools._estimate import zero_paper_bytes  # noqa: E402
 from zerojax.models import gpt  # noqa: E402
-from zerojax.tools.planning import gpt_sizes  # noqa: E402
+from zerojax.tools._planning import gpt_sizes  # noqa: E402
 
 MODELS = {k: v for k, v in gpt_sizes().items() if k != "gpt2-small"}
 DEVICES = (8, 64, 512)

@@ -29,8 +29,8 @@ from classifier_data import digest, pretraining_tokens
 from zerojax.models import gpt
 from zerojax.models.classifier import Data, loss_fn, model_config
 from zerojax.models.gpt import GPTConfig
-from zerojax.state import shard_train_state
-from zerojax.step import make_train_step
+from zerojax._state import shard_train_state
+from zerojax._step import make_train_step
 
 # the fine-tuning recipe the example and the tests share
 EPOCHS, BATCH_SIZE, LEARNING_RATE = 4, 64, 2e-3

@@ -85,7 +85,7 @@ def train_all(mesh, data):
 def flat_params(state) -> dict:
     import jax
 
-    from zerojax.plan import path_str
+    from zerojax._plan import path_str
 
     tree = jax.device_get(state.full_params())
     return {path_str(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}

@@ -7,8 +7,8 @@ and ``zero_optimizer``."""
 import jax
 import jax.numpy as jnp
 
-from zerojax.offload import host_update
-from zerojax.stages import device_step, update
+from zerojax.offload import _host_update as host_update
+from zerojax.stages import _device_step as device_step, _update as update
 from zerojax.update import _pipeline
 
 

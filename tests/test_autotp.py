@@ -21,8 +21,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import zerojax as zj
-from zerojax.autotp import autotp_leaves
-from zerojax.errors import ConfigError, IgnoredKeysWarning
+from zerojax._autotp import autotp_leaves
+from zerojax._errors import ConfigError, IgnoredKeysWarning
 
 transformers = pytest.importorskip("transformers")
 
@@ -267,7 +267,7 @@ def test_negative_controls_the_shard_and_orientation_checks_bite(monkeypatch):
     with pytest.raises(AssertionError):
         assert_projection_shards(plain, split, 1)
     # GPT-2's [out, in] kernels read as [in, out]: the rules test fails
-    monkeypatch.setattr("zerojax.autotp._gpt2_out_first", lambda flat: False)
+    monkeypatch.setattr("zerojax._autotp._gpt2_out_first", lambda flat: False)
     with pytest.raises(AssertionError):
         test_rules_on_hugging_face_llama_and_gpt2()
 

@@ -1,5 +1,5 @@
 """The zerojax command: shorter spellings resolve to the full commands."""
-from zerojax.cli import _expand, build_parser, main
+from zerojax._cli import _expand, build_parser, main
 
 
 def test_single_command_groups_run_without_naming_the_command(capsys):

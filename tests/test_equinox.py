@@ -11,7 +11,7 @@ import optax
 import pytest
 
 import zerojax as zj
-from zerojax.init_rule import split_params_or_init
+from zerojax._init_rule import split_params_or_init
 
 KEY = jax.random.PRNGKey(0)
 
@@ -139,8 +139,8 @@ def test_an_init_function_returning_a_whole_model_is_refused():
 
 def test_linear_check_catches_the_callable_rule(monkeypatch):
     """The negative control: deciding by callable(...) calls the layer on the key and fails the check."""
-    import zerojax.init_rule as rule
-    import zerojax.state as state_module
+    import zerojax._init_rule as rule
+    import zerojax._state as state_module
 
     old = lambda x, where="params_or_init": (x, None) if callable(x) else (None, x)
     monkeypatch.setattr(rule, "split_params_or_init", old)

@@ -9,7 +9,7 @@ import optax.contrib
 import pytest
 
 import zerojax as zj
-import zerojax.placement as placement
+import zerojax._placement as placement
 from tests.helpers import batches, init_params, loss_fn, max_rel_err
 
 OPTIMIZERS = {

@@ -22,11 +22,11 @@ from tests.helpers import (
     max_rel_err,
     mixed_reference_run,
 )
-import zerojax.placement as placement
-from zerojax.config.deepspeed import key_report
-from zerojax.errors import ConfigError, IgnoredKeysWarning, StepOptionError
-from zerojax.low_precision import stochastic_round
-from zerojax.tools.estimate import zero_paper_bytes
+import zerojax._placement as placement
+from zerojax.config._deepspeed import key_report
+from zerojax._errors import ConfigError, IgnoredKeysWarning, StepOptionError
+from zerojax._low_precision import stochastic_round
+from zerojax.tools._estimate import zero_paper_bytes
 
 BF16 = jnp.bfloat16
 LOW = {"fp32 states": (None, None), "bf16 master": ("bfloat16", None), "bf16 master + states": ("bfloat16",

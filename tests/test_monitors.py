@@ -23,8 +23,8 @@ import pytest
 import zerojax as zj
 from tests.helpers import batches, init_params, loss_fn
 from zerojax._compat import cost_analysis
-from zerojax.config.deepspeed import key_report
-from zerojax.errors import ConfigError
+from zerojax.config._deepspeed import key_report
+from zerojax._errors import ConfigError
 from zerojax.monitor import (
     CommsLogger,
     CSVMonitor,

@@ -11,8 +11,8 @@ import pytest
 
 import zerojax as zj
 from tests.helpers import OPTIMIZERS, batches, clip_grads, init_params, loss_fn, max_rel_err
-from zerojax.errors import ConfigError, HostUpdateWarning, IgnoredKeysWarning
-from zerojax.kernels import native
+from zerojax._errors import ConfigError, HostUpdateWarning, IgnoredKeysWarning
+from zerojax.kernels import _native as native
 
 STEPS = 5
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -16,7 +16,7 @@ import zerojax as zj
 from zerojax.update._recognize import describe
 from tests.helpers import batches, init_params, loss_fn, max_rel_err, reference_train
 from tests.offload.zenflow_reference import SGD, AdamW, Lion, ZenFlowReference
-import zerojax.placement as placement
+import zerojax._placement as placement
 
 OPTIMIZERS = {
     "adam": lambda: optax.adam(1e-2),

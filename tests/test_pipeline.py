@@ -14,7 +14,7 @@ import pytest
 import zerojax as zj
 from zerojax.models.gpt import GPTConfig
 from zerojax.models.gpt_pipeline import gpt_pipeline, init_pipeline_params
-from zerojax.pipeline.schedule import NONE, SCHEDULES, check, make_schedule, theory_idle_fraction
+from zerojax.pipeline._schedule import NONE, SCHEDULES, check, make_schedule, theory_idle_fraction
 
 CFG = GPTConfig(vocab=32, n_layer=4, d_model=16, n_head=2, seq_len=4)
 PARAMS = init_pipeline_params(CFG, jax.random.PRNGKey(0))

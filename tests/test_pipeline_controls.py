@@ -8,7 +8,7 @@ import optax
 import pytest
 
 import zerojax as zj
-import zerojax.placement as placement
+import zerojax._placement as placement
 from tests import broken
 from tests.helpers import batches, init_params, loss_fn, max_rel_err, reference_train
 from tests.offload.zenflow_reference import ZenFlowReference

@@ -20,8 +20,8 @@ from tests.helpers import batches, init_params, loss_fn
 from safetensors.numpy import load_file
 
 import zerojax as zj
-from zerojax.checkpoint import CheckpointError, CheckpointManager, consolidate, manager, steps
-from zerojax.checkpoint.integrity import digest
+from zerojax.checkpoint import CheckpointError, CheckpointManager, consolidate, _manager as manager, _steps as steps
+from zerojax.checkpoint._integrity import digest
 
 WORKER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "_ckpt_worker.py")
 TX = lambda: optax.adamw(1e-2, weight_decay=0.1)
@@ -310,7 +310,7 @@ def test_consolidate_safetensors_equals_full_params(saved, tmp_path):
 
 def test_consolidate_cli_bf16_and_orbax(saved, tmp_path):
     directory, state = saved
-    from zerojax.cli import main
+    from zerojax._cli import main
     out = tmp_path / "m16.safetensors"
     assert main(["checkpoint", "consolidate", directory, str(out), "--dtype", "bfloat16", "--step", "2"]) == 0
     got = load_file(str(out))

@@ -13,7 +13,7 @@ from etils import epath
 from tests._ckpt_worker import make_state
 
 import zerojax as zj
-from zerojax.checkpoint import CheckpointError, CheckpointManager, format as ckpt_format, integrity
+from zerojax.checkpoint import CheckpointError, CheckpointManager, _format as ckpt_format, _integrity as integrity
 
 META = os.path.join("zerojax", "metadata")
 DATA = os.path.join("data_state", "metadata")
@@ -242,7 +242,7 @@ def test_every_failure_is_a_zerojax_error(case, two_steps, tmp_path, state):
     }
     with pytest.raises(zj.ZeroJaxError) as info:
         calls[case]()
-    assert type(info.value).__module__ == "zerojax.errors"
+    assert type(info.value).__module__ == "zerojax._errors"
 
 
 # ------------------------------------------------------------------ one compile per layout

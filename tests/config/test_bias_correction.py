@@ -7,7 +7,7 @@ import optax
 import pytest
 
 from zerojax import ZeroConfig, optimizer_from_config
-from zerojax.config.optimizers import scale_by_adam_uncorrected
+from zerojax.config._optimizers import scale_by_adam_uncorrected
 
 PARAMS = {"w": np.array([[0.5, -1.0, 0.3], [2.0, 0.25, -0.7]], np.float32), "b": np.array([0.1, -0.2], np.float32)}
 LR, B1, B2, EPS, WD, STEPS = 0.01, 0.8, 0.95, 1e-6, 0.1, 5

@@ -6,8 +6,8 @@ import re
 
 import pytest
 
-from zerojax.cli import main
-from zerojax.config.deepspeed import key_report
+from zerojax._cli import main
+from zerojax.config._deepspeed import key_report
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples" / "ds_configs"
 CORPUS = pathlib.Path(__file__).parent / "ds_corpus"

@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zerojax import ConfigError, ZeroConfig, schedules
-from zerojax.cli import main
-from zerojax.config.deepspeed import IgnoredKeysWarning, TrainingArgs, optimizer_from_config, resolve_batch
+from zerojax._cli import main
+from zerojax.config._deepspeed import IgnoredKeysWarning, TrainingArgs, optimizer_from_config, resolve_batch
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples" / "ds_configs"
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")

@@ -7,8 +7,8 @@ import pytest
 
 import zerojax as zj
 from zerojax import ConfigError, TrainingArgs, ZeroConfig
-from zerojax.config import schema
-from zerojax.errors import IgnoredKeysWarning
+from zerojax.config import _schema as schema
+from zerojax._errors import IgnoredKeysWarning
 
 B = {"train_batch_size": 8}
 
@@ -191,7 +191,7 @@ def test_deepspeed_only_optimizers_are_refused_by_name_with_the_alternative(name
 
 
 def test_autotp_is_read_and_inference_only_settings_are_refused():
-    assert quiet({"tensor_parallel": {"autotp_size": 2}}).autotp_size == 2  # zerojax.autotp; tests/test_autotp.py
+    assert quiet({"tensor_parallel": {"autotp_size": 2}}).autotp_size == 2  # zerojax._autotp; tests/test_autotp.py
     assert quiet({"tensor_parallel": {"autotp_size": 1}}).autotp_size == 1
     with pytest.raises(ConfigError) as info:
         load({"tensor_parallel": {"tp": {"tp_size": 2}}})

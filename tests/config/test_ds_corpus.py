@@ -34,7 +34,7 @@ import pytest
 
 import zerojax as zj
 from tests.helpers import batches, init_params, loss_fn
-from zerojax.errors import ConfigError, IgnoredKeysWarning
+from zerojax._errors import ConfigError, IgnoredKeysWarning
 
 CORPUS = pathlib.Path(__file__).parent / "ds_corpus"
 TABLE = json.loads((CORPUS / "verdicts.json").read_text())
@@ -97,7 +97,7 @@ def test_corpus_file(name, tmp_path):
     raw = json.loads(path.read_text())
     config = _with_nvme_dir(raw, tmp_path) or path
     args = zj.TrainingArgs(**verdict["training_args"])
-    if "tensor_parallel" in raw:  # AutoTP on the CPU backend trains in fp32 (zerojax.autotp.check_cpu_precision)
+    if "tensor_parallel" in raw:  # AutoTP on the CPU backend trains in fp32 (zerojax._autotp.check_cpu_precision)
         args = dataclasses.replace(args, bf16=False, fp16=False)
 
     def initialize():

@@ -5,7 +5,7 @@ import json
 import pytest
 
 import zerojax as zj
-from zerojax.config.deepspeed import read_deepspeed
+from zerojax.config._deepspeed import read_deepspeed
 
 BASE = '{"train_batch_size": 8, "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}'
 

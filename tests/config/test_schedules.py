@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from zerojax.config import schedules
+from zerojax.config import _schedules as schedules
 from zerojax.config import ConfigError
 
 LOG_WARMUP = [0.1, 0.130103, 0.147712, 0.160206, 0.169897, 0.177815, 0.18451, 0.190309, 0.195424, 0.2, 0.2, 0.2]

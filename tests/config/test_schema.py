@@ -7,10 +7,10 @@ import warnings
 import pytest
 
 from zerojax import ConfigError, ZeroConfig
-from zerojax.config import schema
-from zerojax.config.keys import OFFLOAD_OPTIMIZER, OFFLOAD_PARAM, TOP, ZERO
-from zerojax.errors import IgnoredKeysWarning
-from zerojax.precision import LossScaler
+from zerojax.config import _schema as schema
+from zerojax.config._keys import OFFLOAD_OPTIMIZER, OFFLOAD_PARAM, TOP, ZERO
+from zerojax._errors import IgnoredKeysWarning
+from zerojax._precision import LossScaler
 
 B = {"train_batch_size": 8}
 

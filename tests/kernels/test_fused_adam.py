@@ -8,7 +8,7 @@ import pytest
 import zerojax as zj
 from tests import broken
 from tests.helpers import batches, init_params, loss_fn, max_rel_err, mixed_reference_run, reference_run
-from zerojax.kernels.fused_adam import fused_adamw
+from zerojax.kernels._fused_adam import fused_adamw
 
 
 def optax_run(p0, grads, scale, lr, b1, b2, eps, wd):

@@ -7,12 +7,12 @@ import numpy as np
 import optax
 import pytest
 
-from zerojax.errors import ConfigError
-from zerojax.kernels import native
-from zerojax.offload.flat import FlatLayout
-from zerojax.offload.host_adam import HostAdamW, _narrow, _widen
-from zerojax.offload.host_buffers import host_zeros
-from zerojax.offload.threads import ThreadSplit
+from zerojax._errors import ConfigError
+from zerojax.kernels import _native as native
+from zerojax.offload._flat import FlatLayout
+from zerojax.offload._host_adam import HostAdamW, _narrow, _widen
+from zerojax.offload._host_buffers import host_zeros
+from zerojax.offload._threads import ThreadSplit
 
 BF16 = np.dtype(jnp.bfloat16)
 

@@ -6,9 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from zerojax.offload import nvme
-from zerojax.offload.host_adam import HostAdamW
-from zerojax.offload.nvme import NvmeError, NvmeOptimizerStore
+from zerojax.offload import _nvme as nvme
+from zerojax.offload._host_adam import HostAdamW
+from zerojax.offload._nvme import NvmeError, NvmeOptimizerStore
 
 N, SUB = 1003, 128  # 8 sub-groups, the last one short
 HP = dict(lr=1e-2, b1=0.9, b2=0.99, eps=1e-8, weight_decay=0.01)

@@ -11,9 +11,9 @@ import pytest
 import zerojax as zj
 from tests import broken
 from tests.helpers import batches, init_params, loss_fn, max_rel_err, reference_run
-import zerojax.placement as placement
-from zerojax.offload import nvme
-from zerojax.offload.nvme_step import HostLoopStep
+import zerojax._placement as placement
+from zerojax.offload import _nvme as nvme
+from zerojax.offload._nvme_step import HostLoopStep
 
 
 def adamw():

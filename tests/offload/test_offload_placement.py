@@ -6,7 +6,7 @@ import optax
 import pytest
 
 import zerojax as zj
-from zerojax.kernels import native
+from zerojax.kernels import _native as native
 import jax.numpy as jnp
 
 from tests.helpers import OPTIMIZERS, batches, init_params, loss_fn, max_rel_err, reference_train

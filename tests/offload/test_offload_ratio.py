@@ -12,8 +12,8 @@ import pytest
 import zerojax as zj
 from tests.helpers import OPTIMIZERS, batches, init_params, loss_fn, max_rel_err, reference_train
 from zerojax.checkpoint import CheckpointManager
-from zerojax.kernels import native
-from zerojax.plan import host_share
+from zerojax.kernels import _native as native
+from zerojax._plan import host_share
 
 N = 8  # devices (tests/conftest.py)
 TX = lambda: optax.adamw(1e-2, weight_decay=0.1)

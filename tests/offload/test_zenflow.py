@@ -11,8 +11,8 @@ import zerojax as zj
 from tests import broken
 from tests.helpers import batches, init_params, loss_fn, max_rel_err, reference_train
 from tests.offload.zenflow_reference import ZenFlowReference
-import zerojax.placement as placement
-from zerojax.offload.zenflow import AUTO_MAX_INTERVAL, ZenFlowStep, zenflow_settings
+import zerojax._placement as placement
+from zerojax.offload._zenflow import AUTO_MAX_INTERVAL, ZenFlowStep, zenflow_settings
 
 
 def adamw():

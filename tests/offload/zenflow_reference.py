@@ -1,7 +1,7 @@
 """ZenFlow written out in numpy (float32, as it computes): the trajectory a ZenFlowStep run must reproduce.
 
 The algorithm of REFERENCE.md section 8, with the semantics zerojax documents for it
-(zerojax/offload/zenflow.py):
+(zerojax/offload/_zenflow.py):
 
 * every 2-D weight ``W[in, out]`` with more than one row is scored per input feature (row)
   by the L1 norm of its gradient; the ``ceil(topk_ratio * rows)`` rows with the largest

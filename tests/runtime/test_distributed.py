@@ -30,14 +30,14 @@ from tests.helpers import batches, init_params, loss_fn, max_rel_err
 from safetensors.numpy import load_file
 
 import zerojax as zj
-from zerojax.runtime import distributed as dist
-from zerojax.runtime import launch
+from zerojax.runtime import _distributed as dist
+from zerojax.runtime import _launch as launch
 from zerojax.checkpoint import CheckpointManager, consolidate
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROOT = os.path.dirname(HERE)
 WORKER = os.path.join(HERE, "_dist_worker.py")
-LAUNCH = [sys.executable, "-m", "zerojax.runtime.launch"]
+LAUNCH = [sys.executable, "-m", "zerojax.runtime._launch"]
 LAUNCHER_VARS = ("ZEROJAX_", "WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_")
 
 
@@ -311,7 +311,7 @@ def test_torchrun_environment_starts_two_real_processes():
 
 
 def test_torchrun_check_catches_a_start_up_that_ignores_torchrun():
-    ignore = ("import zerojax.runtime.distributed as d; real = d.process_env; "
+    ignore = ("import zerojax.runtime._distributed as d; real = d.process_env; "
               "d.process_env = lambda environ=None: None if 'RANK' in (environ or __import__('os').environ) "
               "else real(environ); ")
     with pytest.raises(AssertionError, match="PROCESSES 1"):
@@ -502,7 +502,7 @@ def test_hostfile_with_localhost_runs_here_through_the_cli(tmp_path, capsys):
                       "'ZEROJAX_LOCAL_RANK', 'ZEROJAX_LOCAL_DEVICES', 'ZEROJAX_COORDINATOR', 'XLA_FLAGS')))\n")
     hostfile = tmp_path / "hosts"
     hostfile.write_text("localhost slots=2\n")
-    from zerojax.cli import main
+    from zerojax._cli import main
 
     assert main(["launch", "--hostfile", str(hostfile), "--devices-per-proc", "3", str(script)]) == 0
     out = capsys.readouterr().out

@@ -1,4 +1,4 @@
-"""The gated Adam pass (zerojax/stages/adam.py): which optimizers it takes, optax's numbers when
+"""The gated Adam pass (zerojax/stages/_adam.py): which optimizers it takes, optax's numbers when
 applied, the state untouched when skipped, and no state copies in the compiled step."""
 import re
 
@@ -9,8 +9,8 @@ import optax
 import pytest
 
 import zerojax as zj
-from zerojax.config.optimizers import optimizer_from_config
-from zerojax.stages.adam import adam_node, adam_recipe, gated_adam
+from zerojax.config._optimizers import optimizer_from_config
+from zerojax.stages._adam import adam_node, adam_recipe, gated_adam
 
 SCHEDULE = optax.linear_schedule(1e-2, 1e-3, 5)
 

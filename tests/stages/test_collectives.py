@@ -10,9 +10,9 @@ import pytest
 
 import zerojax as zj
 from tests.helpers import max_rel_err
-from zerojax.tools.compiled import collectives
+from zerojax.tools._compiled import collectives
 from zerojax.models.gpt import GPTConfig, init_params, loss_fn
-from zerojax.stages.collectives import buckets
+from zerojax.stages._collectives import buckets
 
 CFG = GPTConfig(vocab=256, n_layer=3, d_model=32, n_head=4, seq_len=8)
 
@@ -164,7 +164,7 @@ def test_scan_model_gathers_inside_the_layer_loop(distance, passes):
                                                          max_reuse_distance=distance))
     step = zj.make_train_step(loss_fn(cfg), state)
     text = step.lower(state, {"tokens": jax.ShapeDtypeStruct((8, 9), np.int32)}).compile().as_text()
-    from zerojax.tools.compiled import _parse
+    from zerojax.tools._compiled import _parse
 
     comps, _ = _parse(text)
     loops = [c for c in comps.values() for mult, _ in c.calls if mult == cfg.n_layer]
@@ -224,7 +224,7 @@ def test_peak_memory_is_the_compiled_analysis():
 
 
 def test_overlap_comm_maps_to_asynchronous_collectives_on_gpu():
-    from zerojax.stages.device_step import compiler_options
+    from zerojax.stages._device_step import compiler_options
 
     shapes = {"w": jax.ShapeDtypeStruct((64, 64), jnp.float32)}
     mesh = zj.make_mesh()
@@ -284,8 +284,8 @@ def test_prefetch_adds_params_while_fewer_than_the_bucket_are_on_the_way(bucket,
     # than a block's matrices); a bucket of 0 prefetches nothing
     import types
 
-    from zerojax.stages import stage3, stage3_values
-    from zerojax.stages.reuse import Slicing
+    from zerojax.stages import _stage3 as stage3, _stage3_values as stage3_values
+    from zerojax.stages._reuse import Slicing
 
     class Param:  # what the prefetch walk reads of a stage-3 param
         def __init__(self, name, size):
@@ -304,7 +304,7 @@ def test_a_matmul_param_is_sliced_above_max_live_or_eight_prefetch_buckets():
     # DeepSpeed's "auto" bucket (0.9 * d^2 = 3686 here): the block matrices span 3-5 buckets and
     # are gathered whole, the 4001 x 64 tied table spans 69 and is sliced; max_live_parameters
     # stays a strict bound
-    from zerojax.stages.reuse import Slicing
+    from zerojax.stages._reuse import Slicing
 
     cfg = GPTConfig(vocab=4001, n_layer=2, d_model=64, n_head=4, seq_len=8)
     batch = {"tokens": jax.ShapeDtypeStruct((8, 9), np.int32)}

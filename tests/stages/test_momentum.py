@@ -1,4 +1,4 @@
-"""The gated SGD-momentum pass (zerojax/stages/momentum.py): which optimizers it takes, optax's
+"""The gated SGD-momentum pass (zerojax/stages/_momentum.py): which optimizers it takes, optax's
 numbers when applied, the state untouched when skipped, and the step using it."""
 import jax
 import jax.numpy as jnp
@@ -7,8 +7,8 @@ import optax
 import pytest
 
 import zerojax as zj
-from zerojax.stages.gated import gated_recipe
-from zerojax.stages.momentum import MomentumRecipe, gated_momentum, momentum_recipe
+from zerojax.stages._gated import gated_recipe
+from zerojax.stages._momentum import MomentumRecipe, gated_momentum, momentum_recipe
 from tests.stages.test_adam import _params, assert_skip_is_exact, assert_trains_as_optax
 
 TAKEN = {

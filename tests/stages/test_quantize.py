@@ -1,11 +1,11 @@
-"""Block-wise quantization (zerojax.stages.quantize) against its definition, written out in numpy:
+"""Block-wise quantization (zerojax.stages._quantize) against its definition, written out in numpy:
 per block, scale = max|x| / qmax and every value comes back within scale / 2; zeros are exact;
 extreme magnitudes stay within the bound; a block holding inf or nan comes back non-finite."""
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from zerojax.stages import quantize as Q
+from zerojax.stages import _quantize as Q
 
 QMAX = {8: 127, 4: 7}
 

@@ -11,7 +11,7 @@ import pytest
 
 import zerojax as zj
 from tests.helpers import batches, init_params, loss_fn, max_rel_err, reference_train
-from zerojax.errors import IgnoredKeysWarning
+from zerojax._errors import IgnoredKeysWarning
 
 
 def _train(stage, gas, reduce_scatter, tx, data):

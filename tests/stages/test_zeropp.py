@@ -18,13 +18,13 @@ import pytest
 import zerojax as zj
 from tests.helpers import batches, device_micro_batches, init_params, loss_fn, max_rel_err
 from zerojax.checkpoint import CheckpointManager
-from zerojax.errors import ConfigError, IgnoredKeysWarning, NonFiniteError
+from zerojax._errors import ConfigError, IgnoredKeysWarning, NonFiniteError
 from zerojax.models import gpt
-from zerojax.stages import collectives as C
-from zerojax.stages import quantize as Q
-from zerojax.stages.zeropp import Wire, secondary_bytes
-from zerojax.tools.compiled import collectives as parse_collectives
-from zerojax.tools.compiled import replica_groups
+from zerojax.stages import _collectives as C
+from zerojax.stages import _quantize as Q
+from zerojax.stages._zeropp import Wire, secondary_bytes
+from zerojax.tools._compiled import collectives as parse_collectives
+from zerojax.tools._compiled import replica_groups
 
 N, K = 8, 4  # devices, devices per node
 ALL = dict(quantized_weights=True, hpz_partition_size=K, quantized_gradients=True)

@@ -7,7 +7,7 @@ import pytest
 
 import zerojax as zj
 from zerojax.tools.autotune import OFFLOADS, AutotuneError, parse_bytes
-from zerojax.tools.planning import StepPlan
+from zerojax.tools._planning import StepPlan
 
 D, H, OUT, T = 64, 512, 16, 64
 BASE = zj.ZeroConfig(param_persistence_threshold=0)  # stage 3 partitions even these small leaves

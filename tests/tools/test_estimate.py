@@ -8,10 +8,10 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import zerojax as zj
-import zerojax.plan
+import zerojax._plan
 from tests.helpers import init_params
-from zerojax.cli import main
-from zerojax.tools.estimate import (estimate, estimate_zero2_model_states_mem_needs,
+from zerojax._cli import main
+from zerojax.tools._estimate import (estimate, estimate_zero2_model_states_mem_needs,
                               estimate_zero2_model_states_mem_needs_all_cold,
                               estimate_zero2_model_states_mem_needs_all_live,
                               estimate_zero3_model_states_mem_needs,
@@ -204,7 +204,7 @@ def test_formula_check_catches_a_plan_that_pads_more(gpt2_shapes, monkeypatch):
         dims = [d for d, size in enumerate(shape) if base_spec[d] is None and size]
         return (None, 0) if not dims else (dims[-1], -(-shape[dims[-1]] // n) * n)
 
-    monkeypatch.setattr(zerojax.plan, "_choose_axis", last_free_dim)
+    monkeypatch.setattr(zerojax._plan, "_choose_axis", last_free_dim)
     with pytest.raises(AssertionError):
         check_estimate_formula(gpt2_shapes, 3, 512, "bf16")
 

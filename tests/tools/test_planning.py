@@ -9,7 +9,7 @@ from tests.helpers import init_params, loss_fn
 
 import zerojax as zj
 from zerojax.models import gpt
-from zerojax.tools.planning import Ref, plan_step, resolve
+from zerojax.tools._planning import Ref, plan_step, resolve
 
 TINY_GPT = gpt.GPTConfig(vocab=96, n_layer=2, d_model=32, n_head=4, seq_len=16, scan=True)
 
@@ -74,7 +74,7 @@ def test_refs_and_mesh_shapes():
 
 
 def test_cli_plan_step_prints_the_plan(capsys):
-    from zerojax.cli import main
+    from zerojax._cli import main
 
     assert main(["plan", "step", "--model", "gpt2-small", "--devices", "8", "--seq-len", "32"]) == 0
     out = capsys.readouterr().out

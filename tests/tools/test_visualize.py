@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import zerojax as zj
-from zerojax.tools.visualize import visualize
+from zerojax.tools._visualize import visualize
 
 HEAD = "       params            gradients*        optimizer states  bytes on the device"
 TAIL = ("█ stored on this device   · held by other devices only   H in this device's host memory (offload)\n"

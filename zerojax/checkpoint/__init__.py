@@ -1,5 +1,5 @@
 """Checkpoints with Orbax: sharded save, restore onto any mesh, stage and offload setting,
-consolidation into one file (see :mod:`zerojax.checkpoint.format` for the on-disk format).
+consolidation into one file (see :mod:`zerojax.checkpoint._format` for the on-disk format).
 
     format.py   the on-disk layout, metadata, checksums, logical_tree and the relayout for restore
     integrity.py the digests of the JSON files (metadata, data state) and reading them verified
@@ -8,12 +8,12 @@ consolidation into one file (see :mod:`zerojax.checkpoint.format` for the on-dis
     manager.py  CheckpointManager (its truth is the directory: failed saves cost one step),
                 restore (a step, the newest complete one or the newest intact one), intact_steps
 """
-from zerojax.checkpoint.export import consolidate as consolidate
-from zerojax.checkpoint.format import FORMAT as FORMAT
-from zerojax.checkpoint.format import logical_tree as logical_tree
-from zerojax.checkpoint.manager import CheckpointManager as CheckpointManager
-from zerojax.checkpoint.manager import intact_steps as intact_steps
-from zerojax.checkpoint.manager import restore as restore
-from zerojax.errors import CheckpointError as CheckpointError
+from zerojax.checkpoint._export import consolidate as consolidate
+from zerojax.checkpoint._format import FORMAT as FORMAT
+from zerojax.checkpoint._format import logical_tree as logical_tree
+from zerojax.checkpoint._manager import CheckpointManager as CheckpointManager
+from zerojax.checkpoint._manager import intact_steps as intact_steps
+from zerojax.checkpoint._manager import restore as restore
+from zerojax._errors import CheckpointError as CheckpointError
 
 __all__ = ["FORMAT", "CheckpointError", "CheckpointManager", "consolidate", "intact_steps", "logical_tree", "restore"]

@@ -11,14 +11,14 @@ block: honoured, ignored or refused); ``verdicts`` (what a read decided per key)
 resolved block); ``deepspeed`` (a file into fields, and the per-key report); ``zero`` (the
 dataclass, validated by the schema).
 """
-from zerojax.config import schedules as schedules
-from zerojax.config.deepspeed import TrainingArgs as TrainingArgs
-from zerojax.config.deepspeed import resolve_batch as resolve_batch
-from zerojax.config.optimizers import optimizer_from_config as optimizer_from_config
-from zerojax.config.zero import ZeroConfig as ZeroConfig
-from zerojax.config.zero import config_from_deepspeed as config_from_deepspeed
-from zerojax.errors import ConfigError as ConfigError
-from zerojax.errors import IgnoredKeysWarning as IgnoredKeysWarning
+from zerojax.config import _schedules as schedules
+from zerojax.config._deepspeed import TrainingArgs as TrainingArgs
+from zerojax.config._deepspeed import resolve_batch as resolve_batch
+from zerojax.config._optimizers import optimizer_from_config as optimizer_from_config
+from zerojax.config._zero import ZeroConfig as ZeroConfig
+from zerojax.config._zero import config_from_deepspeed as config_from_deepspeed
+from zerojax._errors import ConfigError as ConfigError
+from zerojax._errors import IgnoredKeysWarning as IgnoredKeysWarning
 
 __all__ = ["ConfigError", "IgnoredKeysWarning", "TrainingArgs", "ZeroConfig", "config_from_deepspeed",
            "optimizer_from_config", "resolve_batch", "schedules"]

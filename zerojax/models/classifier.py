@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from zerojax.errors import ConfigError
+from zerojax._errors import ConfigError
 from zerojax.models import gpt
 from zerojax.models.gpt import GPTConfig
 

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from zerojax.models import gpt
-from zerojax.pipeline.model import PipelineModel
+from zerojax.pipeline._model import PipelineModel
 
 __all__ = ["gpt_pipeline", "init_pipeline_params"]
 

@@ -10,17 +10,17 @@ comms logger and the FLOPs profiler, around any step.
 
 See docs/monitors.md.
 """
-from zerojax.monitor.config import CommsLogger as CommsLogger
-from zerojax.monitor.config import CSVMonitor as CSVMonitor
-from zerojax.monitor.config import FlopsProfiler as FlopsProfiler
-from zerojax.monitor.config import Monitors as Monitors
-from zerojax.monitor.config import TensorBoardMonitor as TensorBoardMonitor
-from zerojax.monitor.config import WandbMonitor as WandbMonitor
-from zerojax.monitor.config import monitors_for as monitors_for
-from zerojax.monitor.reports import FlopsProfile as FlopsProfile
-from zerojax.monitor.reports import comms_summary as comms_summary
-from zerojax.monitor.step import MonitoredStep as MonitoredStep
-from zerojax.monitor.step import monitored as monitored
+from zerojax.monitor._config import CommsLogger as CommsLogger
+from zerojax.monitor._config import CSVMonitor as CSVMonitor
+from zerojax.monitor._config import FlopsProfiler as FlopsProfiler
+from zerojax.monitor._config import Monitors as Monitors
+from zerojax.monitor._config import TensorBoardMonitor as TensorBoardMonitor
+from zerojax.monitor._config import WandbMonitor as WandbMonitor
+from zerojax.monitor._config import monitors_for as monitors_for
+from zerojax.monitor._reports import FlopsProfile as FlopsProfile
+from zerojax.monitor._reports import comms_summary as comms_summary
+from zerojax.monitor._step import MonitoredStep as MonitoredStep
+from zerojax.monitor._step import monitored as monitored
 
 __all__ = ["CSVMonitor", "CommsLogger", "FlopsProfile", "FlopsProfiler", "MonitoredStep", "Monitors",
            "TensorBoardMonitor", "WandbMonitor", "comms_summary", "monitored", "monitors_for"]

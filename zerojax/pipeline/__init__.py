@@ -11,13 +11,13 @@
     engine.py    the step: pipelined gradients, then the shared update
     config.py    DeepSpeed's "pipeline" block
 """
-from zerojax.pipeline.config import pipeline_options as pipeline_options
-from zerojax.pipeline.engine import PipelineStep as PipelineStep
-from zerojax.pipeline.engine import make_pipeline_step as make_pipeline_step
-from zerojax.pipeline.model import PipelineModel as PipelineModel
-from zerojax.pipeline.schedule import Schedule as Schedule
-from zerojax.pipeline.schedule import make_schedule as make_schedule
-from zerojax.pipeline.schedule import theory_idle_fraction as theory_idle_fraction
+from zerojax.pipeline._config import pipeline_options as pipeline_options
+from zerojax.pipeline._engine import PipelineStep as PipelineStep
+from zerojax.pipeline._engine import make_pipeline_step as make_pipeline_step
+from zerojax.pipeline._model import PipelineModel as PipelineModel
+from zerojax.pipeline._schedule import Schedule as Schedule
+from zerojax.pipeline._schedule import make_schedule as make_schedule
+from zerojax.pipeline._schedule import theory_idle_fraction as theory_idle_fraction
 
 __all__ = ["PipelineModel", "PipelineStep", "Schedule", "make_pipeline_step", "make_schedule", "pipeline_options",
            "theory_idle_fraction"]

@@ -18,9 +18,9 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from zerojax.contract import METRIC_KEYS, NON_FINITE, OK, SCALE_AT_MIN
-from zerojax.errors import HostUpdateWarning
-from zerojax.precision import global_norm, step_is_finite
+from zerojax._contract import METRIC_KEYS, NON_FINITE, OK, SCALE_AT_MIN
+from zerojax._errors import HostUpdateWarning
+from zerojax._precision import global_norm, step_is_finite
 
 __all__ = ["Checked", "check_gradients", "clip_coefficient", "clip_gradients", "host_or_device", "learning_rate",
            "next_loss_scale", "skip_rule", "step_metrics"]
@@ -117,7 +117,7 @@ def find_hyperparams(opt_state):
 
 def step_metrics(cfg, loss, checked: Checked, lr, scale=None, scaler_before=None, scaler_after=None,
                  **extra) -> dict:
-    """The metrics every engine returns (:data:`zerojax.contract.METRIC_KEYS`, then ``extra``).
+    """The metrics every engine returns (:data:`zerojax._contract.METRIC_KEYS`, then ``extra``).
     ``lr``: the learning rate this step used or, when skipped, would have used."""
     out = {
         "loss": loss,

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from zerojax.errors import OptimizerError
+from zerojax._errors import OptimizerError
 
 __all__ = ["Optimizer", "StepSettings", "describe", "direction", "node_of", "recognize", "refuse", "rule", "settings_of",
            "with_node"]

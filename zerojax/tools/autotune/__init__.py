@@ -36,14 +36,14 @@ includes the state that offloading keeps in host memory; that host-resident stat
 of the candidate) is subtracted to give the device peak. Accelerator compilers account host
 memory separately, and their peak is taken as is.
 """
-from zerojax.errors import AutotuneError as AutotuneError
-from zerojax.tools.autotune.candidates import OFFLOADS as OFFLOADS
-from zerojax.tools.autotune.cli import main as main
-from zerojax.tools.autotune.cost import CostModel as CostModel
-from zerojax.tools.autotune.ds_json import deepspeed_dict as deepspeed_dict
-from zerojax.tools.autotune.search import autotune as autotune
-from zerojax.tools.autotune.table import AutotuneResult as AutotuneResult
-from zerojax.tools.autotune.table import Row as Row
-from zerojax.tools.autotune.units import parse_bytes as parse_bytes
+from zerojax._errors import AutotuneError as AutotuneError
+from zerojax.tools.autotune._candidates import OFFLOADS as OFFLOADS
+from zerojax.tools.autotune._cli import main as main
+from zerojax.tools.autotune._cost import CostModel as CostModel
+from zerojax.tools.autotune._ds_json import deepspeed_dict as deepspeed_dict
+from zerojax.tools.autotune._search import autotune as autotune
+from zerojax.tools.autotune._table import AutotuneResult as AutotuneResult
+from zerojax.tools.autotune._table import Row as Row
+from zerojax.tools.autotune._units import parse_bytes as parse_bytes
 
 __all__ = ["AutotuneError", "AutotuneResult", "CostModel", "Row", "autotune", "parse_bytes"]

@@ -1,6 +1,6 @@
-"""``python -m zerojax.tools.autotune``: see :mod:`zerojax.tools.autotune.cli`."""
+"""``python -m zerojax.tools.autotune``: see :mod:`zerojax.tools.autotune._cli`."""
 import sys
 
-from zerojax.tools.autotune.cli import main
+from zerojax.tools.autotune._cli import main
 
 sys.exit(main())

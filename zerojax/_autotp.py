@@ -1,0 +1,262 @@
+"""AutoTP: tensor-parallel PartitionSpecs inferred from a model's leaf names, as DeepSpeed's AutoTP.
+
+DeepSpeed's ``"tensor_parallel": {"autotp_size": N}`` (``ZeroConfig(autotp_size=N)``) splits the
+attention and MLP projections of a transformer over N devices with no change to the model. Here
+that is a ``("data", "model")`` mesh of ``world / N x N`` devices and, per leaf, a PartitionSpec
+over ``"model"`` chosen from the name of the layer that owns the leaf:
+
+* column-parallel (output features split): q/k/v (``q_proj``, ``k_proj``, ``v_proj``, ``query``,
+  ``key``, ``value``), ``gate_proj``, ``up_proj``, GPT-2's ``c_attn`` and ``c_fc``; their biases too;
+* row-parallel (input features split; XLA all-reduces the output): ``o_proj``, ``down_proj``,
+  ``out_proj``, GPT-2's ``c_proj``; their biases stay whole;
+* with ``vocab_parallel=True``, the token embedding (``embed_tokens``, ``wte``, ...) and
+  ``lm_head`` split along the vocabulary;
+* everything else (norms, position embeddings, leaves no rule covers) stays replicated on
+  ``"model"``, and so does a covered leaf whose split dimension does not divide N.
+
+A Flax ``Dense``/``nnx.Linear`` kernel is ``[in, out]``. Hugging Face's Flax GPT-2 keeps its
+Conv1D kernels ``[out, in]`` (``c_attn`` is ``[3 * hidden, hidden]``): the orientation of the
+GPT-2 names is read from the ``c_attn`` kernel's shape. A leaf the user annotated already
+(``param_specs`` or the array's own NamedSharding naming a mesh axis) keeps its annotation.
+ZeRO then partitions every leaf's free dimension over ``"data"`` as usual (:mod:`zerojax._plan`)::
+
+    state, step = zj.initialize(params, loss_fn, {"train_micro_batch_size_per_gpu": 2,
+                                "tensor_parallel": {"autotp_size": 2},
+                                "zero_optimization": {"stage": 1}, "optimizer": {"type": "AdamW"}})
+    print(autotp_describe(params, 2))   # which rule split which leaf
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Optional, Tuple
+
+import jax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from zerojax._errors import ConfigError
+from zerojax._mesh import make_mesh
+
+__all__ = ["COLUMN", "MODEL", "ROW", "VOCAB", "TPLeaf", "autotp_describe", "autotp_leaves", "autotp_mesh",
+           "autotp_size_of", "autotp_specs", "check_autotp_mesh", "check_cpu_precision", "mesh_for", "plan_specs"]
+
+MODEL = "model"  # the tensor-parallel mesh axis
+
+# layer names -> how AutoTP splits them (Hugging Face / Flax spellings; Meta's Llama w1/w2/w3, wq/wk/wv/wo)
+COLUMN = frozenset({"q_proj", "k_proj", "v_proj", "query", "key", "value", "qkv_proj", "query_key_value",
+                    "gate_proj", "up_proj", "gate_up_proj", "c_attn", "c_fc", "wq", "wk", "wv", "w1", "w3",
+                    "fc1", "fc_in", "dense_h_to_4h"})
+ROW = frozenset({"o_proj", "down_proj", "out_proj", "c_proj", "wo", "w2", "fc2", "fc_out", "dense_4h_to_h"})
+VOCAB = frozenset({"embed_tokens", "wte", "word_embeddings", "tok_embeddings", "embed_in", "lm_head", "embed_out"})
+_GPT2 = frozenset({"c_attn", "c_fc", "c_proj"})  # Conv1D-style names whose orientation is read from c_attn
+_PARAM_NAMES = frozenset({"kernel", "bias", "weight", "embedding", "scale"})
+_BOX = frozenset({"value", "raw_value"})  # NNX Variable attributes that may end a path
+
+
+@dataclasses.dataclass(frozen=True)
+class TPLeaf:
+    """What AutoTP decided for one leaf.
+
+    ``rule``: "column", "row", "vocab", "user" (the user's annotation kept) or "replicated";
+    ``dim``: the dimension split over ``"model"`` (None when none is); ``why``: one line."""
+
+    path: str
+    shape: Tuple[int, ...]
+    rule: str
+    dim: Optional[int]
+    why: str
+
+    def spec(self, user_spec) -> Optional[P]:
+        if self.rule == "user":
+            return user_spec
+        entries = [None] * len(self.shape)
+        if self.dim is not None:
+            entries[self.dim] = MODEL
+        return P(*entries)
+
+
+# --------------------------------------------------------------------------- mesh
+def autotp_mesh(autotp_size: int, devices=None, data_axis: str = "data") -> Mesh:
+    """A ``(data_axis, "model")`` mesh of ``len(devices) // autotp_size x autotp_size``; the
+    devices of one tensor-parallel group are consecutive (on a GPU host: one node's NVLink)."""
+    devices = list(jax.devices() if devices is None else devices)
+    if autotp_size < 1 or len(devices) % autotp_size:
+        raise ConfigError(f"autotp_size={autotp_size} (tensor_parallel.autotp_size) does not divide the "
+                          f"{len(devices)} devices: the mesh is world / autotp_size data-parallel groups of "
+                          f"autotp_size devices. Fix: use a divisor of {len(devices)}")
+    return make_mesh((len(devices) // autotp_size, autotp_size), (data_axis, MODEL), devices)
+
+
+def check_autotp_mesh(mesh: Mesh, autotp_size: int, data_axis: str = "data") -> None:
+    """ConfigError unless ``mesh`` has a ``"model"`` axis of ``autotp_size`` devices beside the data axis."""
+    if autotp_size <= 1:
+        return
+    size = dict(zip(mesh.axis_names, mesh.devices.shape)).get(MODEL)
+    if size != autotp_size or data_axis not in mesh.axis_names:
+        got = f"a {MODEL!r} axis of {size}" if size is not None else f"no {MODEL!r} axis"
+        raise ConfigError(
+            f"autotp_size={autotp_size} (tensor_parallel.autotp_size) needs a mesh with a {data_axis!r} axis and a "
+            f"{MODEL!r} axis of {autotp_size} devices, but the mesh has axes {dict(mesh.shape)} ({got}). Fix: pass "
+            f"mesh=None (zerojax builds it) or mesh=zj.autotp_mesh({autotp_size}), or set autotp_size to the mesh's "
+            f"{MODEL!r} size")
+
+
+def autotp_size_of(config) -> int:
+    """The ``autotp_size`` of a ZeroConfig, a DeepSpeed dict or a DeepSpeed JSON path (1 when
+    absent; a value the reader will refuse reads as 1 here)."""
+    if hasattr(config, "autotp_size"):
+        return int(config.autotp_size)
+    if isinstance(config, (str, os.PathLike)):
+        from zerojax.config._deepspeed import _load  # the reader's own loading (errors name the file)
+        config = _load(config)
+    block = config.get("tensor_parallel") if isinstance(config, dict) else None
+    size = block.get("autotp_size", 1) if isinstance(block, dict) else 1
+    ok = isinstance(size, int) and not isinstance(size, bool) and size >= 1
+    return size if ok else 1
+
+
+def mesh_for(config, mesh=None) -> Mesh:
+    """The mesh ``zj.initialize`` trains on: ``mesh`` checked against the config's autotp_size,
+    or, when None, every device on ``"data"`` (autotp_size 1) or :func:`autotp_mesh`."""
+    size = autotp_size_of(config)
+    data_axis = getattr(config, "data_axis", "data")
+    if mesh is None:
+        return make_mesh() if size <= 1 else autotp_mesh(size, data_axis=data_axis)
+    check_autotp_mesh(mesh, size, data_axis)
+    return mesh
+
+
+# --------------------------------------------------------------------------- rules
+def _parts(path) -> list:
+    parts = jax.tree_util.keystr(path, simple=True, separator="/").split("/")  # as zerojax._plan.path_str
+    while len(parts) > 1 and parts[-1] in _BOX and parts[-2] in _PARAM_NAMES:
+        parts.pop()  # nnx.State paths end in the Variable's .value
+    return parts
+
+
+def _layer_of(parts) -> Tuple[Optional[str], str]:
+    """(the name of the layer owning the leaf, the leaf's own name)."""
+    if len(parts) < 2:
+        return None, parts[-1] if parts else ""
+    return parts[-2], parts[-1]
+
+
+def _gpt2_out_first(flat) -> bool:
+    """Whether GPT-2-style kernels are [out, in] (Hugging Face's Flax GPT-2: c_attn is [3h, h])."""
+    for parts, leaf in flat:
+        layer, name = _layer_of(parts)
+        shape = tuple(getattr(leaf, "shape", ()))
+        if layer == "c_attn" and len(shape) == 2 and name != "bias":
+            return shape[0] == 3 * shape[1]
+    return False
+
+
+def _user_spec(leaf, user_spec, data_axis: str):
+    """The user's annotation when it names a mesh axis other than the data axis, else None."""
+    spec = user_spec
+    if spec is None:
+        sharding = getattr(leaf, "sharding", None)
+        spec = sharding.spec if isinstance(sharding, NamedSharding) else None
+    if spec is None:
+        return None
+    names = [n for e in spec for n in (e if isinstance(e, tuple) else (e,)) if n is not None and n != data_axis]
+    return spec if names else None
+
+
+def _decide(path: str, parts, leaf, n: int, out_first: bool, vocab_parallel: bool) -> TPLeaf:
+    shape = tuple(int(s) for s in leaf.shape)
+    layer, name = _layer_of(parts)
+    matrix = len(shape) == 2
+    if layer in COLUMN or layer in ROW:
+        kind = "column" if layer in COLUMN else "row"
+        flipped = out_first and layer in _GPT2  # [out, in]
+        if len(shape) == 1 and name == "bias":
+            if kind == "row":
+                return TPLeaf(path, shape, "replicated", None, f"bias of row-parallel {layer}: whole, added after "
+                                                               "the all-reduce")
+            dim, what = 0, f"bias of column-parallel {layer}"
+        elif matrix:
+            out_dim, in_dim = (0, 1) if flipped else (1, 0)
+            dim = out_dim if kind == "column" else in_dim
+            what = f"{kind}-parallel {layer} ({'out' if dim == out_dim else 'in'} features)"
+        else:
+            return TPLeaf(path, shape, "replicated", None, f"{layer}: a {len(shape)}-D leaf, no rule for its layout")
+    elif vocab_parallel and layer in VOCAB and matrix:
+        kind = "vocab"
+        # an embedding table is [vocab, hidden]; a Dense head's kernel [hidden, vocab]
+        dim = 0 if name == "embedding" or layer != "lm_head" else 1
+        what = f"vocabulary-parallel {layer}"
+    else:
+        why = "no AutoTP rule" if layer not in VOCAB else "vocabulary leaf (vocab_parallel off)"
+        return TPLeaf(path, shape, "replicated", None, why)
+    if shape[dim] % n:
+        return TPLeaf(path, shape, "replicated", None, f"{what}: dim {dim} of size {shape[dim]} does not divide "
+                                                       f"autotp_size {n}")
+    return TPLeaf(path, shape, kind, dim, f"{what}: dim {dim} split over {MODEL!r}")
+
+
+def autotp_leaves(params, autotp_size: int, param_specs=None, *, vocab_parallel: bool = False,
+                  data_axis: str = "data") -> list:
+    """One :class:`TPLeaf` per leaf of ``params`` (arrays or ShapeDtypeStructs), in flatten order."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+    user = treedef.flatten_up_to(param_specs) if param_specs is not None else [None] * len(flat)
+    named = [(_parts(path), leaf) for path, leaf in flat]
+    out_first = _gpt2_out_first(named)
+    out = []
+    for (parts, leaf), spec in zip(named, user):
+        path = "/".join(parts)
+        if not hasattr(leaf, "shape"):
+            raise ConfigError(f"param {path!r} is a {type(leaf).__name__}, not an array; only arrays may be leaves")
+        given = _user_spec(leaf, spec, data_axis)
+        if given is not None:
+            out.append(TPLeaf(path, tuple(leaf.shape), "user", None, f"the user's annotation {given}"))
+        else:
+            out.append(_decide(path, parts, leaf, autotp_size, out_first, vocab_parallel))
+    return out
+
+
+def autotp_specs(params, autotp_size: int, param_specs=None, *, vocab_parallel: bool = False,
+                 data_axis: str = "data"):
+    """The ``param_specs`` tree AutoTP gives ``params``: the user's annotations where given,
+    the rules' ``"model"`` splits elsewhere, ``P()`` (replicated) for the rest."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+    user = treedef.flatten_up_to(param_specs) if param_specs is not None else [None] * len(flat)
+    user = [_user_spec(leaf, s, data_axis) for (_, leaf), s in zip(flat, user)]
+    leaves = autotp_leaves(params, autotp_size, param_specs, vocab_parallel=vocab_parallel, data_axis=data_axis)
+    return treedef.unflatten([lay.spec(u) for lay, u in zip(leaves, user)])
+
+
+def autotp_describe(params, autotp_size: int, param_specs=None, *, vocab_parallel: bool = False) -> str:
+    """A table: each leaf, its shape and what AutoTP did with it."""
+    rows = [f"AutoTP over {autotp_size} devices on {MODEL!r}"]
+    for lay in autotp_leaves(params, autotp_size, param_specs, vocab_parallel=vocab_parallel):
+        rows.append(f"  {lay.path:<44} {str(lay.shape):<14} {lay.rule:<10} {lay.why}")
+    return "\n".join(rows)
+
+
+_CPU_PASS = "all-reduce-promotion"
+
+
+def check_cpu_precision(mesh: Mesh, config) -> None:
+    """On the CPU backend XLA's all-reduce promotion pass aborts the process (a failed check,
+    not an exception) when it meets the 16-bit all-reduces of a step on a mesh with a model
+    axis; refuse with the way out instead."""
+    if config.precision == "fp32" or mesh.devices.flat[0].platform != "cpu":
+        return
+    if _CPU_PASS in os.environ.get("XLA_FLAGS", ""):
+        return
+    raise ConfigError(
+        f"autotp_size={config.autotp_size} with precision {config.precision!r} on the CPU backend: XLA's "
+        f"{_CPU_PASS} pass aborts the process while compiling a 16-bit step on a ('data', 'model') mesh. Fix: "
+        f"train in fp32 on the CPU (bf16/fp16 disabled), or set XLA_FLAGS=--xla_disable_hlo_passes={_CPU_PASS} "
+        "before jax is imported")
+
+
+def plan_specs(params, mesh: Mesh, config, param_specs=None) -> Any:
+    """What :meth:`zerojax._plan.ZeroPlan.create` plans with under ``config.autotp_size`` > 1:
+    the mesh checked, and the AutoTP specs with the user's annotations kept."""
+    check_autotp_mesh(mesh, config.autotp_size, config.data_axis)
+    check_cpu_precision(mesh, config)
+    return autotp_specs(params, config.autotp_size, param_specs, vocab_parallel=config.autotp_vocab_parallel,
+                        data_axis=config.data_axis)

@@ -1,0 +1,127 @@
+"""make_train_step: the one entry point to every update path, and the step contract.
+
+The path follows from the state's config:
+
+    ZeroConfig(zenflow={...})                 offload.zenflow.ZenFlowStep     importance-aware host offload
+    ZeroConfig(offload_optimizer="nvme")      offload.nvme_step.HostLoopStep  optimizer state in files
+    anything else                             stages.device_step.TrainStep    one jitted program (stages 0–3,
+                                                                              offload to host memory, fused Adam)
+    a zj.PipelineModel instead of a loss      pipeline.engine.PipelineStep    stages over the mesh's "pipe" axis
+
+Each implements :class:`zerojax._contract.Step`: ``step(state, batch) -> (state, metrics)``,
+``lower``, ``finish`` and ``close``, with the same metric keys and errors. An option a path
+cannot honour is a :class:`~zerojax._errors.StepOptionError` naming it, never dropped.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import jax
+import jax.numpy as jnp
+
+from zerojax._contract import METRIC_KEYS, Step, StepBase
+from zerojax._errors import OptimizerError, StepOptionError
+from zerojax.kernels._fused_update import fused_adam_ok
+from zerojax.monitor import Monitors, monitored
+from zerojax.offload._nvme_step import HostLoopStep
+from zerojax.offload._zenflow import ZenFlowStep
+from zerojax.pipeline import PipelineModel, make_pipeline_step
+from zerojax.stages._device_step import TrainStep, build_device_step
+from zerojax.stages._update import takes_value
+from zerojax._state import TrainState
+from zerojax.update._recognize import describe
+
+__all__ = ["METRIC_KEYS", "Step", "StepBase", "TrainStep", "make_train_step"]
+
+
+def _path_name(state: TrainState) -> str:
+    cfg = state.plan.config
+    if cfg.zenflow:
+        return "zenflow"
+    if cfg.offload_optimizer == "nvme":
+        return "nvme"
+    return "device"
+
+
+def _check_extra_args(state: TrainState) -> None:
+    """An optimizer whose ``update`` takes extra arguments gets the step's loss as ``value=``;
+    one that needs more (a line search's ``value_fn`` and ``grad``, Sophia's ``obj_fn``: a
+    function of the params) is refused by name here, before anything is traced for the step."""
+    tx = state.tx
+    if not takes_value(tx):
+        return
+    plan = state.plan
+    params = plan.treedef.unflatten([jax.ShapeDtypeStruct(lay.shape, jnp.float32) for lay in plan.leaves])
+    try:
+        jax.eval_shape(lambda p: tx.update(p, tx.init(p), p, value=jnp.float32(0.0)), params)
+    except Exception as e:  # noqa: BLE001 - whatever it lacks, the step cannot give it
+        raise OptimizerError(
+            f"this optimizer ({describe(tx)}) needs more than the loss in update(): calling it with "
+            f"value=<the loss> fails with {type(e).__name__}: {e}. make_train_step passes the loss as value= "
+            "(optax.contrib.reduce_on_plateau, polyak_sgd, momo train); line searches (value_fn, grad) and "
+            "Sophia (obj_fn) need a function of the params, which it does not pass. Fix: use an optimizer "
+            "without those arguments, or zj.zero_optimizer in your own loop, calling update with them.") from e
+
+
+def make_train_step(loss_fn: Callable, state: TrainState, *, has_aux: bool = False, donate: bool = True,
+                    check_errors: bool = True, fused_adam: bool = False, fused_block_size: int = 4096,
+                    monitors: Optional[Monitors] = None) -> Step:
+    """Build the step for ``state``'s plan; it implements :class:`zerojax._contract.Step`.
+
+    ``loss_fn(params, batch) -> loss`` (or ``loss_fn(params, batch, rng)``, given a key unique
+    to the step, device and micro-batch). The batch's leading dimension is the global batch:
+    data devices x gradient_accumulation_steps x micro-batch.
+
+        step = zj.make_train_step(loss_fn, state)
+        state, metrics = step(state, batch)
+
+    ``donate``: the jitted path donates the state's buffers (read only the returned state);
+    the host paths (NVMe, ZenFlow) never donate, so ``donate=True`` costs them nothing and
+    ``donate=False`` is honoured trivially. ``check_errors``: raise ``NonFiniteError`` /
+    ``LossScaleError`` on the host when a step reports one (every path).
+
+    ``fused_adam``: update with the Pallas AdamW kernel (one in-place pass per leaf over the
+    master, both moments and the gradient, writing the 16-bit params too) instead of optax's
+    separate loops; needs ``optax.inject_hyperparams(optax.adamw)``. Off by default; on CPU it
+    runs in interpret mode (for tests), on GPU through Triton. The host paths update on the
+    host, so ``fused_adam=True`` with them is an error naming the option.
+
+    ``monitors``: a :class:`zerojax.monitor.Monitors` (CSV, TensorBoard, wandb, progress lines,
+    timings, comms and FLOPs reports); the step is then wrapped in a
+    :class:`~zerojax.monitor.MonitoredStep`, whatever its path.
+    """
+    if monitors is not None:
+        return monitored(make_train_step(loss_fn, state, has_aux=has_aux, donate=donate, check_errors=check_errors,
+                                         fused_adam=fused_adam, fused_block_size=fused_block_size), monitors)
+    if isinstance(loss_fn, PipelineModel):  # a pipeline over the mesh's "pipe" axis (zerojax.pipeline)
+        return make_pipeline_step(loss_fn, state, donate=donate, check_errors=check_errors, has_aux=has_aux,
+                                  fused_adam=fused_adam, fused_block_size=None if fused_block_size == 4096
+                                  else fused_block_size)
+    _check_extra_args(state)
+    path = _path_name(state)
+    if path != "device":
+        if fused_adam:
+            raise StepOptionError(
+                f"fused_adam=True: the {path} path updates the optimizer state on the host, where the GPU kernel "
+                "does not run. Fix: drop fused_adam, or train without "
+                + ("the zenflow block" if path == "zenflow" else "offload_optimizer='nvme'"))
+        if fused_block_size != 4096:
+            raise StepOptionError(f"fused_block_size={fused_block_size} only applies with fused_adam=True on the "
+                                  "on-device path. Fix: drop fused_block_size")
+        if path == "zenflow":
+            return ZenFlowStep(loss_fn, state, has_aux, check_errors=check_errors)
+        return HostLoopStep(loss_fn, state, has_aux, store="nvme", check_errors=check_errors)
+    low = state.plan.config.master_weights_dtype or state.plan.config.optimizer_state_dtype
+    if fused_adam and low:
+        raise StepOptionError(f"fused_adam=True: the fused kernel updates an fp32 master and fp32 moments, but this "
+                              f"state keeps them in {low} (ZeroConfig.master_weights_dtype / optimizer_state_dtype). "
+                              "Fix: drop fused_adam (optax's update computes in fp32 and stores bf16), or keep fp32 "
+                              "states")
+    # opt-in until the kernel's Triton lowering is measured inside the step on a GPU
+    if fused_adam and not fused_adam_ok(state.tx):
+        raise StepOptionError(f"fused_adam=True: the fused kernel computes Adam/AdamW (optax.adam / optax.adamw with "
+                              "constant settings, or optax.inject_hyperparams of them, with bias correction, no mask, "
+                              f"eps_root=0 and fp32 moments) and the given optimizer is {describe(state.tx)}. Fix: drop "
+                              "fused_adam (every optax optimizer runs on the device path), or use Adam/AdamW")
+    return build_device_step(loss_fn, state, has_aux=has_aux, donate=donate, check_errors=check_errors,
+                             fused_adam=fused_adam, fused_block_size=fused_block_size)

@@ -1,0 +1,361 @@
+"""The checkpoint format: checkpoints that restore onto any mesh size, any stage and any offload
+setting.
+
+    mngr = zj.checkpoint.CheckpointManager("/ckpt", max_to_keep=3, best_metric="loss")
+    mngr.save(step, state, metrics={"loss": 1.7}, data_state={"epoch": 2})   # asynchronous
+    ...
+    state, data_state = mngr.restore(zj.abstract_train_state(init_fn, tx, mesh=mesh, config=config))
+    zj.checkpoint.consolidate("/ckpt", "model.safetensors", dtype="bfloat16")
+
+What is stored. Every parameter is stored as its fp32 value (the master copy when there is one)
+and every optimizer leaf that mirrors a parameter (Adam's moments and the like) likewise (bf16
+model states are widened on save and rounded to the target's dtypes on restore), in the
+user's logical shape except for one thing: a leaf that the saving mesh splits over the data axis
+is written split, with its split dimension zero-padded to a multiple of the data-axis size (jax
+cannot lay out an array whose dimension does not divide the devices, so the unpadded leaf could
+not stay split while it is written, and gathering it whole would put a whole leaf on one host).
+The logical shapes are in the metadata and restore reads exactly the logical region: Orbax
+truncates or zero-pads a stored array to the shape asked for, so a target with another mesh,
+another split dimension or no split reads what it needs straight from disk. Nothing depends
+on the stage, the compute dtype or the offload setting of the run that saved.
+
+On-disk layout (plain Orbax; ``orbax.checkpoint`` alone restores it)::
+
+    DIR/<step>/                       an Orbax CheckpointManager step (written to a temporary
+                                      directory and renamed when complete)
+        state/                        PyTree item (OCDBT): {"params": {...}, "opt_state": {...},
+                                      "step": i32[], "loss_scale": {...}, "rng": u32[2]}; nested
+                                      dicts keyed by the tree path's parts ("opt_state/0/mu/emb")
+        zerojax/metadata              JSON: format, logical shape and dtype per leaf, per-leaf
+                                      checksums, the saving run's stage / mesh / process
+                                      count / precision, the data state's digest ("files")
+                                      and its own ("checksum"): see integrity.py
+        data_state/metadata           JSON: the user's data_state dict ({} when none)
+        model_16bit.safetensors       only with ZeroConfig(gather_16bit_weights_on_model_save=True)
+
+To read it without zerojax, in any process (any device count), restore every leaf as a numpy
+array and slice each to the ``shape`` recorded for it in ``zerojax/metadata`` (a plain
+``PyTreeCheckpointer().restore(path)`` needs the saving run's device count)::
+
+    ckptr = ocp.PyTreeCheckpointer()
+    meta = ckptr.metadata(f"{DIR}/{step}/state").item_metadata.tree
+    args = jax.tree_util.tree_map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), meta)
+    tree = ckptr.restore(f"{DIR}/{step}/state", args=ocp.args.PyTreeRestore(restore_args=args))
+    shapes = json.load(open(f"{DIR}/{step}/zerojax/metadata"))   # ["params"][path]["shape"]
+
+Crash safety. A step that is not complete (a leftover temporary directory from a killed save,
+or a step directory without its metadata) is skipped with a warning naming it; restore takes
+the newest complete step (or, with ``step="latest_intact"``, the newest step that verifies).
+Every leaf carries a checksum of its logical values, checked on restore, and the JSON files
+carry digests, so a damaged or missing file is a CheckpointError naming it, never zeros or a
+wrong data state. A failed save (a full disk) is a CheckpointError naming the step and the
+cause; the manager goes on from the complete steps on disk (see manager.py).
+
+Several processes (``zj.distributed.initialize()``). Every process calls ``save`` and ``restore``
+with the same step; each writes and reads only the shards of its own devices, so the directory
+must be one that every process sees (a shared filesystem or an object store). A checkpoint
+written by any number of processes restores with any other number, as it does onto any mesh.
+``consolidate`` reads leaf by leaf in the one process that calls it, without waiting for the
+others; the 16-bit copy below is written by process 0.
+
+``gather_16bit_weights_on_model_save``: after a save's asynchronous write has finished (at
+``wait_until_finished()``, the next ``save`` or ``close()``), the manager streams the params
+into ``DIR/<step>/model_16bit.safetensors`` (the compute dtype, or bfloat16 under fp32).
+"""
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import zerojax._placement as placement
+from zerojax._errors import CheckpointError
+from zerojax._plan import LeafLayout, ZeroPlan, path_str
+from zerojax._state import TrainState, state_shardings
+
+__all__ = ["FORMAT", "logical_tree"]
+
+FORMAT = 2  # 2: the JSON files are checksummed too (zerojax.checkpoint._integrity)
+READABLE_FORMATS = (1, 2)
+MISMATCH = "the checkpoint does not match the target state"
+STATE, META, DATA = "state", "zerojax", "data_state"
+SAFETENSORS_16BIT = "model_16bit.safetensors"
+
+
+# ------------------------------------------------------------------------- tree helpers
+def nest(flat: dict[str, Any]) -> dict:
+    out: dict = {}
+    for key, value in flat.items():
+        node = out
+        parts = key.split("/")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+        node[parts[-1]] = value
+    return out
+
+
+def _disk_split(plan: ZeroPlan, lay: LeafLayout) -> bool:
+    """A param-like leaf is split over the data axis on disk (and while read) when it can be."""
+    return lay.axis is not None and plan.n > 1
+
+
+def _disk_shape(plan: ZeroPlan, lay: LeafLayout):
+    return lay.storage_shape if _disk_split(plan, lay) else lay.shape
+
+
+def _disk_sharding(plan: ZeroPlan, lay: LeafLayout) -> NamedSharding:
+    return NamedSharding(plan.mesh, lay.spec(_disk_split(plan, lay), plan.data_axis))
+
+
+def _device(s: NamedSharding) -> NamedSharding:
+    return s if s.memory_kind in (None, "device") else s.with_memory_kind("device")
+
+
+def _checksum(x) -> jax.Array:
+    """Sum of the values' bit patterns, wrapping in uint32: order-free, so it is the same on any mesh."""
+    x = jnp.asarray(x)
+    if x.dtype == jnp.bool_ or x.dtype.itemsize == 1:
+        bits = x.astype(jnp.uint32)
+    elif x.dtype.itemsize == 2:
+        bits = jax.lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32)
+    else:
+        bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    return jnp.sum(bits.reshape(-1), dtype=jnp.uint32)
+
+
+def _opt_entries(plan: ZeroPlan, opt_state) -> list[tuple[str, Any, LeafLayout | None]]:
+    """(path, stored leaf, mirrored param layout or None) for every optimizer leaf."""
+    flat = jax.tree_util.tree_flatten_with_path(opt_state)[0]
+    lays = plan.opt_leaf_layouts(opt_state, stored=True)
+    return [(path_str(p), x, lay) for (p, x), lay in zip(flat, lays)]
+
+
+def _disk_dtype(x, lay: LeafLayout | None) -> str:
+    """An optimizer leaf's dtype on disk: float32 for a float leaf mirroring a param (bf16
+    moments are widened on save and rounded again on restore into a bf16-state target)."""
+    if lay is not None and jnp.issubdtype(x.dtype, jnp.floating):
+        return "float32"
+    return np.dtype(x.dtype).name
+
+
+def _scaler_dict(loss_scale) -> dict:
+    return dict(loss_scale._asdict())
+
+
+# ----------------------------------------------------------------- compiled programs
+# A save or restore runs one jitted program per state layout. They are kept here, keyed by the
+# layout, so a steady-state save costs the copy and the write rather than a fresh trace and
+# compile (a new closure per call would miss jax's own cache every time).
+_PROGRAMS: "collections.OrderedDict[Any, Any]" = collections.OrderedDict()
+_MAX_PROGRAMS = 32
+program_misses = 0  # programs built (cache misses), read by the tests
+
+
+def layout_key(plan: ZeroPlan, opt_state) -> tuple:
+    """What a save or restore program depends on: the plan's mesh, config and leaf layouts and
+    the optimizer state's structure, shapes and dtypes (the memory kinds follow from them)."""
+    avals = tuple((tuple(x.shape), np.dtype(x.dtype).name) for x in jax.tree_util.tree_leaves(opt_state))
+    key = (plan.mesh, plan.config, tuple(plan.leaves), plan.treedef, jax.tree_util.tree_structure(opt_state), avals)
+    try:
+        hash(key)
+    except TypeError:  # a config holding dicts (a DeepSpeed optimizer block): its text stands for it
+        key = (plan.mesh, repr(plan.config)) + key[2:]
+    return key
+
+
+def cached_program(key, make):
+    global program_misses
+    program = _PROGRAMS.get(key)
+    if program is None:
+        program_misses += 1
+        program = _PROGRAMS[key] = make()
+        while len(_PROGRAMS) > _MAX_PROGRAMS:
+            _PROGRAMS.popitem(last=False)
+    else:
+        _PROGRAMS.move_to_end(key)
+    return program
+
+
+def _save_program(plan: ZeroPlan, tx, with_master: bool, opt, scaler_keys):
+    """The jitted state -> (logical tree, checksums) of a save; closes over layouts only."""
+    homes = state_shardings(plan, tx)
+    src_homes = homes.master if with_master else homes.params
+    opt_meta = [(path, lay) for path, _, lay in opt]
+    opt_homes = jax.tree_util.tree_leaves(homes.opt_state)
+
+    def build(src, opt_leaves, step, loss_scale, rng):
+        src = placement.fetch(src, src_homes)
+        params, sums = {}, {}
+        for lay, x in zip(plan.leaves, plan.treedef.flatten_up_to(src)):
+            logical = placement.unpad(x, lay).astype(jnp.float32)
+            params[lay.path] = placement.pad(logical, lay) if _disk_split(plan, lay) else logical
+            sums["params/" + lay.path] = _checksum(logical)
+        opt_out = {}
+        for (path, lay), x, home in zip(opt_meta, opt_leaves, opt_homes):
+            if home.memory_kind not in (None, "device"):
+                x = jax.device_put(x, _device(home))
+            if lay is not None:
+                logical = placement.unpad(x, lay)
+                if jnp.issubdtype(logical.dtype, jnp.floating):  # fp32 logical values, as the params
+                    logical = logical.astype(jnp.float32)
+                x = placement.pad(logical, lay) if _disk_split(plan, lay) else logical
+            else:
+                logical = x
+            opt_out[path] = x
+            sums["opt_state/" + path] = _checksum(logical)
+        tree = {"params": params, "opt_state": opt_out, "step": step,
+                "loss_scale": _scaler_dict(loss_scale), "rng": rng}
+        # fresh buffers: the step donates the state while the write may still be reading
+        return jax.tree_util.tree_map(lambda a: jnp.array(a, copy=True), tree), sums
+
+    rep = NamedSharding(plan.mesh, P())
+    opt_out_sh = {path: _disk_sharding(plan, lay) if lay is not None else _device(home)
+                  for (path, lay), home in zip(opt_meta, opt_homes)}
+    out_sh = ({"params": {lay.path: _disk_sharding(plan, lay) for lay in plan.leaves},
+               "opt_state": opt_out_sh, "step": rep, "loss_scale": {k: rep for k in scaler_keys}, "rng": rep}, rep)
+    return jax.jit(build, out_shardings=out_sh)
+
+
+# -------------------------------------------------------------------------------- save
+def logical_tree(state: TrainState):
+    """(tree, metadata) written for ``state``: see the module docstring. Leaves stay split."""
+    plan = state.plan
+    # the fp32 master when the state has one (not when the step keeps it: NVMe, ZenFlow)
+    with_master = state.master is not None
+    opt = _opt_entries(plan, state.opt_state)
+    key = ("save", with_master, tuple(_scaler_dict(state.loss_scale))) + layout_key(plan, state.opt_state)
+    program = cached_program(key, lambda: _save_program(plan, state.tx, with_master, opt,
+                                                        tuple(_scaler_dict(state.loss_scale))))
+    src = state.master if with_master else state.params
+    opt_leaves = [x for _, x, _ in opt]
+    flat, sums = program(src, opt_leaves, state.step, state.loss_scale, state.rng)
+    meta = {
+        "format": FORMAT,
+        "saved_with": {"stage": plan.stage, "devices": plan.n, "processes": jax.process_count(),
+                       "precision": plan.config.precision},
+        "params": {lay.path: {"shape": list(lay.shape), "dtype": np.dtype(lay.dtype).name} for lay in plan.leaves},
+        "opt_state": {path: {"shape": list(lay.shape if lay is not None else x.shape),
+                             "dtype": _disk_dtype(x, lay), "mirrors": None if lay is None else lay.path}
+                      for path, x, lay in opt},
+        "checksums": {k: int(v) for k, v in jax.device_get(sums).items()},
+    }
+    tree = dict(flat, params=nest(flat["params"]), opt_state=nest(flat["opt_state"]))
+    return tree, meta
+
+
+# ----------------------------------------------------------------------------- restore
+def _check_target(meta: dict, plan: ZeroPlan, opt) -> None:
+    problems = []
+    for kind, want in (("params", {lay.path: lay.shape for lay in plan.leaves}),
+                       ("opt_state", {p: (lay.shape if lay is not None else tuple(x.shape)) for p, x, lay in opt})):
+        have = {k: tuple(v["shape"]) for k, v in meta[kind].items()}
+        for k in sorted(set(want) - set(have)):
+            problems.append(f"  {kind}/{k}: in the target {want[k]} but not in the checkpoint")
+        for k in sorted(set(have) - set(want)):
+            problems.append(f"  {kind}/{k}: in the checkpoint {have[k]} but not in the target")
+        for k in sorted(set(have) & set(want)):
+            if have[k] != tuple(want[k]):
+                problems.append(f"  {kind}/{k}: checkpoint shape {have[k]}, target shape {tuple(want[k])}")
+    if problems:
+        raise CheckpointError(
+            MISMATCH + ":\n" + "\n".join(problems) +
+            "\nBuild the target from the same model and optimizer that were saved "
+            "(zj.abstract_train_state(init_fn, tx, mesh=..., config=...)).")
+
+
+def restore_spec(meta: dict, target: TrainState):
+    """(item, restore_args, relayout inputs) for reading the checkpoint straight into the target's mesh."""
+    plan = target.plan
+    homes = state_shardings(plan, target.tx)
+    opt = _opt_entries(plan, target.opt_state)
+    _check_target(meta, plan, opt)
+    rep = NamedSharding(plan.mesh, P())
+
+    def sds(shape, dtype, sharding):
+        return jax.ShapeDtypeStruct(tuple(shape), np.dtype(dtype), sharding=sharding)
+
+    params = {lay.path: sds(_disk_shape(plan, lay), "float32", _disk_sharding(plan, lay)) for lay in plan.leaves}
+    opt_items = {}
+    for (path, x, lay), home in zip(opt, jax.tree_util.tree_leaves(homes.opt_state)):
+        dtype = meta["opt_state"][path]["dtype"]
+        if lay is not None:
+            opt_items[path] = sds(_disk_shape(plan, lay), dtype, _disk_sharding(plan, lay))
+        else:
+            opt_items[path] = sds(x.shape, dtype, _device(home))
+    scaler = {k: sds(v.shape, v.dtype, rep) for k, v in _scaler_dict(target.loss_scale).items()}
+    item = {"params": nest(params), "opt_state": nest(opt_items), "step": sds((), "int32", rep),
+            "loss_scale": scaler, "rng": sds(target.rng.shape, target.rng.dtype, rep)}
+    restore_args = jax.tree_util.tree_map(
+        lambda s: ocp.ArrayRestoreArgs(sharding=s.sharding, global_shape=s.shape, dtype=s.dtype, strict=False), item)
+    return item, restore_args, opt, homes
+
+
+def relayout(restored: dict, target: TrainState, opt, homes):
+    """Restored logical arrays -> the target's ZeRO layout, dtypes and memory kinds; plus checksums."""
+    plan = target.plan
+    flat_params = {lay.path: lookup(restored["params"], lay.path) for lay in plan.leaves}
+    flat_opt = [lookup(restored["opt_state"], p) for p, _, _ in opt]
+    with_master = target.master is not None
+    key = ("restore", with_master, type(target.loss_scale)) + layout_key(plan, target.opt_state)
+    program = cached_program(key, lambda: _restore_program(plan, opt, homes, with_master,
+                                                           jax.tree_util.tree_structure(target.opt_state),
+                                                           type(target.loss_scale)))
+    (step, params, master, opt_state, scaler, rng), sums = program(
+        flat_params, flat_opt, restored["step"], restored["loss_scale"], restored["rng"])
+    state = TrainState(step=step, params=params, master=master, opt_state=opt_state, loss_scale=scaler,
+                       rng=rng, plan=plan, tx=target.tx)
+    return state, sums
+
+
+def _restore_program(plan: ZeroPlan, opt, homes, with_master: bool, opt_treedef, scaler_type):
+    """The jitted (restored logical arrays) -> (state parts, checksums); closes over layouts only."""
+    cdt = plan.compute_dtype
+    opt_meta = [(path, lay, x.dtype) for path, x, lay in opt]
+
+    def build(flat_params, flat_opt, step, loss_scale, rng):
+        sums = {}
+        params, master = [], []
+        for lay in plan.leaves:
+            logical = placement.unpad(flat_params[lay.path], lay)
+            sums["params/" + lay.path] = _checksum(logical)
+            params.append(placement.pad(logical.astype(cdt), lay) if lay.params_partitioned else logical.astype(cdt))
+            master.append(placement.pad(logical, lay) if plan.opt_partitioned(lay) else logical)
+        opt_leaves = []
+        for (path, lay, dt), x in zip(opt_meta, flat_opt):
+            if lay is not None:
+                x = placement.unpad(x, lay)
+                sums["opt_state/" + path] = _checksum(x)
+                x = placement.pad(x, lay) if plan.opt_partitioned(lay) else x
+            else:
+                sums["opt_state/" + path] = _checksum(x)
+            opt_leaves.append(x.astype(dt))
+        params = plan.treedef.unflatten(params)
+        master = plan.treedef.unflatten(master) if with_master else None
+        opt_state = opt_treedef.unflatten(opt_leaves)
+        return (step, params, master, opt_state, scaler_type(**loss_scale), rng), sums
+
+    # checksums replicated: every process reads them (another process's shard cannot be fetched)
+    out_sh = ((homes.step, homes.params, homes.master, homes.opt_state, homes.loss_scale, homes.rng),
+              NamedSharding(plan.mesh, P()))
+    return jax.jit(build, out_shardings=out_sh)
+
+
+def lookup(tree: dict, path: str):
+    for p in path.split("/"):
+        tree = tree[p]
+    return tree
+
+
+def verify(meta: dict, sums, where: str) -> None:
+    got = {k: int(v) for k, v in jax.device_get(sums).items()}
+    bad = [k for k, v in got.items() if meta["checksums"].get(k) != v]
+    if bad:
+        raise CheckpointError(
+            f"checkpoint {where} is damaged: the values read for {', '.join(bad)} do not match the checksums "
+            "written at save time (a data file was truncated, replaced or deleted). Restore an older step.")

@@ -1,0 +1,134 @@
+"""optax optimizers for DeepSpeed's ``optimizer`` block (names, params and defaults as DeepSpeed's).
+
+    tx = optimizer_from_config(ZeroConfig.from_deepspeed("ds_config.json", ...))
+"""
+from __future__ import annotations
+
+import warnings
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from zerojax.config._schedules import from_deepspeed as schedule_from_deepspeed, onecycle_momentum_from_deepspeed
+from zerojax.config._checks import optimizer_block
+from zerojax._errors import ConfigError, IgnoredKeysWarning
+
+__all__ = ["optimizer_from_config", "scale_by_adam_uncorrected"]
+
+
+def _trust_ratio(min_coeff, max_coeff) -> optax.GradientTransformation:
+    """Lamb's per-tensor ||w|| / ||update||, clipped to [min_coeff, max_coeff] (1 if a norm is 0)."""
+    def update(updates, state, params=None):
+        def one(u, p):
+            w, n = jnp.linalg.norm(p.ravel()), jnp.linalg.norm(u.ravel())
+            ratio = jnp.where((w > 0) & (n > 0), jnp.clip(w / jnp.where(n > 0, n, 1.0), min_coeff, max_coeff), 1.0)
+            return u * ratio.astype(u.dtype)
+        return jax.tree.map(one, updates, params), state
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
+def _scale_by_adagrad(initial_accumulator_value, eps) -> optax.GradientTransformation:
+    """torch's Adagrad: g / (sqrt(sum g^2) + eps)."""
+    def init(params):
+        return (jax.tree.map(lambda p: jnp.full_like(p, initial_accumulator_value), params),)
+    def update(updates, state, params=None):
+        acc = jax.tree.map(lambda a, g: a + g * g, state[0], updates)
+        return jax.tree.map(lambda g, a: g / (jnp.sqrt(a) + eps), updates, acc), (acc,)
+    return optax.GradientTransformation(init, update)
+
+
+class ScaleByAdamState(NamedTuple):
+    count: jax.Array  # i32[] updates so far
+    mu: optax.Updates  # first moment, the params' structure and dtypes
+    nu: optax.Updates  # second moment
+
+
+def scale_by_adam_uncorrected(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> optax.GradientTransformation:
+    """Adam's direction without bias correction (DeepSpeed's ``bias_correction: false``):
+    ``m / (sqrt(v) + eps)`` with ``m``, ``v`` the raw exponential moving averages."""
+    def init(params):
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        return ScaleByAdamState(jnp.zeros([], jnp.int32), zeros, jax.tree.map(jnp.zeros_like, params))
+
+    def update(updates, state, params=None):
+        mu = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g, state.mu, updates)
+        nu = jax.tree.map(lambda v, g: b2 * v + (1 - b2) * jnp.square(g), state.nu, updates)
+        out = jax.tree.map(lambda m, v: m / (jnp.sqrt(v) + eps), mu, nu)
+        return out, ScaleByAdamState(optax.safe_increment(state.count), mu, nu)
+
+    return optax.GradientTransformation(init, update)
+
+
+def _scale_by_adam(b1, b2, eps, bias_correction):
+    return optax.scale_by_adam(b1, b2, eps) if bias_correction else scale_by_adam_uncorrected(b1, b2, eps)
+
+
+def _adam(learning_rate, b1, b2, eps, weight_decay, decoupled, bias_correction=True):
+    adam, decay = _scale_by_adam(b1, b2, eps, bias_correction), optax.add_decayed_weights(weight_decay)
+    parts = (adam, decay) if decoupled else (decay, adam)  # AdamW vs torch Adam's L2 on the gradient
+    return optax.chain(*parts, optax.scale_by_learning_rate(learning_rate))
+
+
+def _lamb(learning_rate, b1, b2, eps, weight_decay, min_coeff, max_coeff, bias_correction=True):
+    return optax.chain(_scale_by_adam(b1, b2, eps, bias_correction), optax.add_decayed_weights(weight_decay),
+                       _trust_ratio(min_coeff, max_coeff), optax.scale_by_learning_rate(learning_rate))
+
+
+def _lion(learning_rate, b1, b2, weight_decay):
+    return optax.lion(learning_rate, b1, b2, weight_decay=weight_decay)
+
+
+def _adagrad(learning_rate, eps, weight_decay, initial_accumulator_value):
+    return optax.chain(optax.add_decayed_weights(weight_decay), _scale_by_adagrad(initial_accumulator_value, eps),
+                       optax.scale_by_learning_rate(learning_rate))
+
+
+def _sgd(learning_rate, momentum, weight_decay, nesterov):
+    return optax.chain(optax.add_decayed_weights(weight_decay), optax.trace(momentum, nesterov=nesterov),
+                       optax.scale_by_learning_rate(learning_rate))
+
+
+def optimizer_from_config(config: ZeroConfig) -> optax.GradientTransformation:
+    """The optax optimizer for ``config.optimizer`` (DeepSpeed's names, params and defaults).
+
+    Adam is AdamW (decoupled weight decay) unless ``adam_w_mode`` is false, which adds
+    ``weight_decay * param`` to the gradient as torch's Adam does. ``bias_correction: false``
+    (Adam, AdamW, Lamb) uses the raw moment averages, as DeepSpeed's fused kernels do. The learning rate follows
+    ``config.scheduler`` when there is one; OneCycle with ``cycle_momentum`` also cycles beta1
+    and, as DeepSpeed does, sets beta2 to 0.99 (optimizers without betas skip it with a warning).
+    No gradient clipping here: the engine clips with ``config.gradient_clipping``.
+
+    Hyperparameters are injected (``optax.inject_hyperparams``), so after ``k`` updates
+    ``opt_state.hyperparams["learning_rate"]`` holds the lr the k-th update used (after
+    ``init``, the lr the first update will use). ``update`` needs ``params``.
+    """
+    if config.optimizer is None:
+        raise ConfigError("ZeroConfig.optimizer is None: the DeepSpeed config had no optimizer block. "
+                          'Fix: add "optimizer": {"type": "AdamW", "params": {...}} or build your own optax optimizer')
+    block = optimizer_block(config.optimizer)
+    name, p = block["type"], dict(block["params"])
+    lr = schedule_from_deepspeed(config.scheduler, p["lr"]) if config.scheduler else p["lr"]
+    b1, b2 = p.get("betas", (None, None))
+    momentum = onecycle_momentum_from_deepspeed(config.scheduler) if config.scheduler else None
+    if momentum is not None and "betas" in p:
+        b1, b2 = momentum, 0.99
+    elif momentum is not None:
+        warnings.warn(f"scheduler.params.cycle_momentum is disabled because {name} has no betas "
+                      "(as in DeepSpeed). Set it to false to silence this warning", IgnoredKeysWarning, stacklevel=2)
+    wd = p["weight_decay"]
+    if name in ("Adam", "AdamW"):
+        factory, kwargs = _adam, dict(b1=b1, b2=b2, eps=p["eps"], decoupled=name == "AdamW" or p["adam_w_mode"],
+                                      bias_correction=p["bias_correction"])
+    elif name == "Lamb":
+        factory, kwargs = _lamb, dict(b1=b1, b2=b2, eps=p["eps"], min_coeff=p["min_coeff"], max_coeff=p["max_coeff"],
+                                      bias_correction=p["bias_correction"])
+    elif name == "Lion":
+        factory, kwargs = _lion, dict(b1=b1, b2=b2)
+    elif name == "Adagrad":
+        factory, kwargs = _adagrad, dict(eps=p["eps"], initial_accumulator_value=p["initial_accumulator_value"])
+    else:
+        factory, kwargs = _sgd, dict(momentum=p["momentum"], nesterov=p["nesterov"])
+    static = [k for k, v in kwargs.items() if isinstance(v, bool)]
+    return optax.inject_hyperparams(factory, static_args=static)(learning_rate=lr, weight_decay=wd, **kwargs)

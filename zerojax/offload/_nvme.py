@@ -1,0 +1,357 @@
+"""Optimizer state on NVMe: AdamW over files, one sub-group at a time, I/O overlapped.
+
+ZeRO-Infinity keeps the fp32 master weights and both Adam moments on disk and streams
+them through host memory in sub-groups of ``sub_group_size`` elements. Here a bounded
+three-stage pipeline runs per step: a reader thread fetches sub-group i+1 while the
+calling thread updates sub-group i with ``HostAdamW`` and a writer thread writes
+sub-group i-1 back. Host memory holds three sub-group buffers, never the whole state::
+
+    store = NvmeOptimizerStore("/nvme/run1", n, sub_group_size=1 << 24,
+                               optimizer=HostAdamW(lr=1e-4, weight_decay=0.1))
+    store.init(master_fp32)
+    store.step(grads_bf16, count=1, grad_scale=1 / loss_scale, out16=params_bf16)
+    master = store.read_master()
+    store.close()
+
+The update is elementwise, so the result is bitwise what ``HostAdamW`` computes on the
+same buffers in memory.
+
+Crash and disk-full safety (ping-pong slots plus a committed marker): the state is kept
+in two slot files, ``slot0.bin`` and ``slot1.bin``. A step reads the slot named by the
+``COMMITTED`` marker and writes every sub-group to the other slot; only when all writes
+have finished (and, with ``fsync=True``, reached the disk) is the marker replaced
+atomically (write, fsync, rename) to name the new slot. A failure mid-step (ENOSPC, EIO,
+a crash) therefore leaves the marker on the last complete step: the store can be reopened
+or the step retried. The price is twice the state's size on disk; both slots are
+preallocated at ``init`` so a full disk is usually reported before training starts. What
+a failed step had already written to ``out16`` must be discarded by the caller.
+
+Layout of a slot: master, m and v (fp32) one after the other, each ``num_elements``
+long, so the layout does not depend on ``sub_group_size`` (a store may be reopened with
+another) and a step streams through three sequential regions.
+"""
+from __future__ import annotations
+
+import errno as _errno
+import json
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Optional
+
+import numpy as np
+
+from zerojax._errors import ConfigError, NvmeError
+from zerojax.offload._host_adam import HostAdamW
+
+__all__ = ["NvmeError", "NvmeOptimizerStore"]
+
+_MARKER = "COMMITTED"
+_FIELDS = ("master", "m", "v")
+
+
+def _pwrite_all(fd: int, buf: memoryview, offset: int) -> None:
+    """Writes all of ``buf`` at ``offset`` (os.pwrite may write less than asked)."""
+    while len(buf):
+        n = os.pwrite(fd, buf, offset)
+        buf, offset = buf[n:], offset + n
+
+
+def _pread_into(fd: int, buf: memoryview, offset: int) -> None:
+    """Fills ``buf`` from ``offset`` without an intermediate bytes object."""
+    while len(buf):
+        if hasattr(os, "preadv"):
+            n = os.preadv(fd, [buf], offset)
+        else:  # platforms without preadv: one extra copy
+            data = os.pread(fd, len(buf), offset)
+            n = len(data)
+            buf[:n] = data
+        if n == 0:
+            raise OSError(_errno.EIO, "unexpected end of file")
+        buf, offset = buf[n:], offset + n
+
+
+def _reserve(fd: int, nbytes: int) -> None:
+    """Allocates the file's blocks up front where the file system can."""
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except (OSError, AttributeError) as e:
+        if isinstance(e, OSError) and e.errno in (_errno.ENOSPC, _errno.EDQUOT):
+            raise
+        os.ftruncate(fd, nbytes)  # no fallocate here: blocks are allocated on write
+
+
+def _validate_dir(path: str) -> None:
+    if not os.path.exists(path):
+        raise NvmeError(path, "the directory does not exist", f"create it (mkdir -p {path}) "
+                        "on the NVMe drive, or point nvme_path at an existing one",
+                        _errno.ENOENT)
+    if not os.path.isdir(path):
+        raise NvmeError(path, "this is not a directory", "point nvme_path at a directory "
+                        "on the NVMe drive; the store creates its files inside it",
+                        _errno.ENOTDIR)
+    probe = os.path.join(path, f".zerojax-probe-{os.getpid()}")
+    try:
+        os.close(os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+        os.unlink(probe)
+    except OSError as e:
+        raise NvmeError(path, f"files cannot be created here ({e.strerror})",
+                        "give this process write permission on the directory or choose "
+                        "a writable one", e.errno or _errno.EACCES) from e
+
+
+def _validate_space(path: str, need_bytes: int) -> None:
+    st = os.statvfs(path)
+    free = st.f_bavail * st.f_frsize
+    if free < need_bytes:
+        raise NvmeError(path, f"needs {need_bytes / 2**30:.2f} GiB more free space (two "
+                        f"slots of 12 bytes per element) but has {free / 2**30:.2f} GiB",
+                        "free space, use a larger drive or offload fewer parameters",
+                        _errno.ENOSPC)
+
+
+class NvmeOptimizerStore:
+    """fp32 master weights and Adam moments in files, updated sub-group by sub-group.
+
+    Args:
+      path: an existing, writable directory (checked here, before any step).
+      num_elements: size of the flat state.
+      sub_group_size: elements per sub-group; host memory use is about
+        ``3 buffers * 12 bytes * sub_group_size``.
+      optimizer: the ``HostAdamW`` doing the math (default: ``HostAdamW()``); closed
+        with the store only if the store created it.
+      fsync: make each step durable before committing it (off: faster, still
+        consistent after a process crash, not after a power loss).
+      drop_page_cache: advise the kernel to drop the file pages after use, so the
+        state does not crowd the page cache.
+
+    An existing committed state of the same size under ``path`` is resumed.
+    """
+
+    def __init__(self, path: str, num_elements: int, sub_group_size: int, *,
+                 optimizer: Optional[HostAdamW] = None, fsync: bool = True,
+                 drop_page_cache: bool = False):
+        if num_elements < 1 or sub_group_size < 1:
+            raise ConfigError(f"NvmeOptimizerStore: num_elements={num_elements} and "
+                             f"sub_group_size={sub_group_size} must both be >= 1.")
+        self.path = os.fspath(path)
+        self.num_elements, self.sub_group_size = int(num_elements), int(sub_group_size)
+        self.slot_bytes = 12 * self.num_elements
+        self._marker = os.path.join(self.path, _MARKER)
+        _validate_dir(self.path)
+        resume = self._read_marker_if_present()
+        have = sum(os.path.getsize(self._slot_file(k)) for k in (0, 1)
+                   if os.path.exists(self._slot_file(k)))
+        _validate_space(self.path, max(0, 2 * self.slot_bytes - have))
+        self._owns_optimizer = optimizer is None
+        self.optimizer = optimizer if optimizer is not None else HostAdamW()
+        self.fsync, self.drop_page_cache = bool(fsync), bool(drop_page_cache)
+        self._drop = self.drop_page_cache and hasattr(os, "posix_fadvise")
+        self._fds = [os.open(self._slot_file(k), os.O_RDWR | os.O_CREAT, 0o600) for k in (0, 1)]
+        self._slot = None if resume is None else resume["slot"]
+        self.committed_count = None if resume is None else resume["count"]
+        # Three (3, sub_group) buffers: read-ahead, update, write-behind.
+        rows = min(self.sub_group_size, self.num_elements)
+        self._bufs = [np.empty((3, rows), np.float32) for _ in range(3)]
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="nvme-read")
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="nvme-write")
+
+    # -- public ------------------------------------------------------------------------
+    def init(self, params_flat: np.ndarray) -> None:
+        """Starts from ``params_flat`` (cast to fp32) with zero moments; commits count 0."""
+        params_flat = np.asarray(params_flat).reshape(-1)
+        self._check_size(params_flat, "params_flat")
+        dst = 0 if self._slot is None else 1 - self._slot
+        for fd in self._fds:  # reserve the space now so a full disk shows up here
+            try:
+                _reserve(fd, self.slot_bytes)
+            except OSError as e:
+                raise self._io_error(e, "reserving space for") from e
+        writes: list = []
+        try:
+            for i in range(self.num_groups):
+                a, b = self._bounds(i)
+                buf = self._bufs[i % 3]
+                if i >= 3:
+                    writes[i - 3].result()
+                np.copyto(buf[0, :b - a], params_flat[a:b], casting="same_kind")
+                buf[1:, :b - a] = 0
+                writes.append(self._writer.submit(self._write_group, dst, i, buf))
+            self._wait(writes)
+            if self.fsync:
+                os.fsync(self._fds[dst])
+        except BaseException as e:
+            self._drain(writes)
+            if isinstance(e, OSError) and not isinstance(e, NvmeError):  # from os.fsync
+                raise self._io_error(e, "syncing") from e
+            raise
+        self._commit(dst, 0)
+
+    def step(self, grads_flat: np.ndarray, count: int, lr: Optional[float] = None,
+             grad_scale: float = 1.0, out16: Optional[np.ndarray] = None) -> None:
+        """One AdamW step over the whole state (see ``HostAdamW.step`` for the args)."""
+        if self._slot is None:
+            raise ConfigError(f"NvmeOptimizerStore({self.path!r}): call init(params) before "
+                               "step(); there is no committed state yet.")
+        self._check_size(grads_flat, "grads_flat")
+        if out16 is not None:
+            self._check_size(out16, "out16")
+        src, dst, g = self._slot, 1 - self._slot, self.num_groups
+        reads: list = [self._reader.submit(self._read_group, src, 0, self._bufs[0])]
+        writes: list = []
+        try:
+            for i in range(g):
+                buf = self._bufs[i % 3]
+                reads[i].result()
+                if i + 1 < g:
+                    if i >= 2:  # buffer (i+1) % 3 last held sub-group i-2
+                        writes[i - 2].result()
+                    reads.append(self._reader.submit(self._read_group, src, i + 1,
+                                                     self._bufs[(i + 1) % 3]))
+                a, b = self._bounds(i)
+                k = b - a
+                self.optimizer.step(buf[0, :k], grads_flat[a:b], buf[1, :k], buf[2, :k],
+                                    count, lr=lr, grad_scale=grad_scale,
+                                    out16=None if out16 is None else out16[a:b])
+                writes.append(self._writer.submit(self._write_group, dst, i, buf))
+            self._wait(writes)
+            if self.fsync:
+                os.fsync(self._fds[dst])
+        except BaseException as e:
+            self._drain(reads + writes)  # no thread may touch the buffers after we return
+            if isinstance(e, OSError) and not isinstance(e, NvmeError):  # from os.fsync
+                raise self._io_error(e, "syncing") from e
+            raise
+        self._commit(dst, int(count))
+
+    def read(self, name: str = "master", out: Optional[np.ndarray] = None) -> np.ndarray:
+        """The committed ``master``, ``m`` or ``v`` as one flat fp32 array."""
+        if name not in _FIELDS:
+            raise ConfigError(f"NvmeOptimizerStore.read: name={name!r}; expected one of {_FIELDS}.")
+        if self._slot is None:
+            raise ConfigError(f"NvmeOptimizerStore({self.path!r}): nothing committed yet; "
+                               "call init(params) first.")
+        out = np.empty(self.num_elements, np.float32) if out is None else out
+        row = _FIELDS.index(name)
+        for i in range(self.num_groups):
+            a, b = self._bounds(i)
+            try:
+                _pread_into(self._fds[self._slot], memoryview(out[a:b]).cast("B"),
+                            4 * (row * self.num_elements + a))
+            except OSError as e:
+                raise self._io_error(e, "reading") from e
+        return out
+
+    def read_master(self, out: Optional[np.ndarray] = None) -> np.ndarray:
+        return self.read("master", out)
+
+    @property
+    def num_groups(self) -> int:
+        return -(-self.num_elements // self.sub_group_size)
+
+    def close(self) -> None:
+        """Stops the I/O threads and closes the files (the committed state stays)."""
+        self._reader.shutdown(wait=True)
+        self._writer.shutdown(wait=True)
+        for fd in self._fds:
+            os.close(fd)
+        self._fds = []
+        if self._owns_optimizer:
+            self.optimizer.close()
+
+    def __enter__(self) -> "NvmeOptimizerStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- internals ---------------------------------------------------------------------
+    def _slot_file(self, k: int) -> str:
+        return os.path.join(self.path, f"slot{k}.bin")
+
+    def _bounds(self, i: int):
+        a = i * self.sub_group_size
+        return a, min(a + self.sub_group_size, self.num_elements)
+
+    def _check_size(self, x, name: str) -> None:
+        if np.ndim(x) != 1 or np.size(x) != self.num_elements:
+            raise ConfigError(f"NvmeOptimizerStore: {name} has shape {np.shape(x)}; expected "
+                             f"a flat array of {self.num_elements} elements.")
+
+    def _group_view(self, i: int, buf: np.ndarray):
+        """(bytes of buffer row r, file offset) for master, m and v of sub-group i."""
+        a, b = self._bounds(i)
+        n = self.num_elements
+        return [(memoryview(buf[r, :b - a]).cast("B"), 4 * (r * n + a)) for r in range(3)]
+
+    def _read_group(self, slot: int, i: int, buf: np.ndarray) -> None:
+        self._transfer(slot, i, buf, _pread_into, "reading")
+
+    def _write_group(self, slot: int, i: int, buf: np.ndarray) -> None:
+        self._transfer(slot, i, buf, _pwrite_all, "writing")
+
+    def _transfer(self, slot: int, i: int, buf: np.ndarray, io, doing: str) -> None:
+        fd = self._fds[slot]
+        try:
+            for mv, off in self._group_view(i, buf):
+                io(fd, mv, off)
+                if self._drop:
+                    os.posix_fadvise(fd, off, len(mv), os.POSIX_FADV_DONTNEED)
+        except OSError as e:
+            raise self._io_error(e, doing) from e
+
+    def _io_error(self, e: OSError, doing: str) -> NvmeError:
+        if isinstance(e, NvmeError):
+            return e
+        fix = ("free space on the drive (each step needs the second slot, 12 bytes per "
+               "element) and retry the step; the last committed step is intact"
+               if e.errno in (_errno.ENOSPC, _errno.EDQUOT) else
+               "check the drive (dmesg, smartctl) and retry; the last committed step is intact")
+        return NvmeError(self.path, f"{doing} optimizer state failed: "
+                         f"{e.strerror or e}", fix, e.errno or 0)
+
+    @staticmethod
+    def _wait(futures) -> None:
+        for f in futures:
+            f.result()
+
+    @staticmethod
+    def _drain(futures) -> None:
+        for f in futures:
+            f.exception()  # waits; the first error is already propagating
+
+    def _read_marker_if_present(self):
+        try:
+            with open(self._marker) as f:
+                marker = json.load(f)
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as e:
+            raise NvmeError(self.path, f"the {_MARKER} marker cannot be read ({e})",
+                            "restore it from a backup or delete the directory's contents "
+                            "to start afresh") from e
+        if marker.get("num_elements") != self.num_elements:
+            raise NvmeError(self.path, f"holds a state of {marker.get('num_elements')} "
+                            f"elements, not {self.num_elements}",
+                            "use another directory, or delete this one to start afresh")
+        return marker
+
+    def _commit(self, slot: int, count: int) -> None:
+        tmp = self._marker + ".tmp"
+        data = json.dumps({"slot": slot, "count": count, "num_elements": self.num_elements,
+                           "layout": "master, m, v: fp32, num_elements each"})
+        try:
+            with open(tmp, "w") as f:
+                f.write(data)
+                f.flush()
+                if self.fsync:
+                    os.fsync(f.fileno())
+            os.replace(tmp, self._marker)  # atomic: the marker is old or new, never torn
+            if self.fsync:
+                dfd = os.open(self.path, os.O_RDONLY)
+                try:
+                    os.fsync(dfd)
+                finally:
+                    os.close(dfd)
+        except OSError as e:
+            raise self._io_error(e, "committing") from e
+        self._slot, self.committed_count = slot, count

@@ -1,0 +1,142 @@
+"""The train step for ``offload_optimizer="nvme"``: AdamW over a state kept in files.
+
+ZeRO-Infinity's data flow: the jitted device part computes the reduced gradients (in the
+compute dtype), the host streams the fp32 master and Adam moments from ``nvme_path`` through
+``NvmeOptimizerStore`` sub-group by sub-group (reads ahead, writes behind, crash-safe commits)
+and writes the updated 16-bit params, which go back to the device in the plan's layout. Host
+memory holds the flat gradient and params buffers and three sub-groups of state, never the
+whole state, so a state larger than host memory trains.
+
+``MemoryAdamW`` is the same step with the state in host memory (``HostAdamW`` over flat
+buffers); the NVMe step's results equal it bitwise.
+"""
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import zerojax._placement as placement
+from zerojax._contract import StepBase
+from zerojax._errors import ConfigError
+from zerojax.offload._flat import FlatLayout
+from zerojax.offload._host_rule import HostOptimizer
+from zerojax.offload._nvme import NvmeOptimizerStore, _validate_dir
+from zerojax.stages._gradients import grads_fn
+from zerojax._state import TrainState
+from zerojax.update._pipeline import check_gradients, step_metrics
+from zerojax.update._recognize import StepSettings, recognize, refuse
+
+
+class MemoryAdamW:
+    """The store interface over host-memory buffers: init / step / read_master / close."""
+
+    def __init__(self, num_elements: int, optimizer: HostOptimizer):
+        self.optimizer = optimizer
+        self.master = np.zeros(num_elements, np.float32)
+        self.m = np.zeros(num_elements, np.float32)
+        self.v = np.zeros(num_elements, np.float32)
+
+    def init(self, params_flat: np.ndarray) -> None:
+        np.copyto(self.master, params_flat, casting="same_kind")
+        self.m[...] = 0
+        self.v[...] = 0
+
+    def step(self, grads_flat, count: int, lr=None, grad_scale: float = 1.0, out16=None) -> None:
+        self.optimizer.step(self.master, grads_flat, self.m, self.v, count, lr=lr, grad_scale=grad_scale,
+                            out16=out16)
+
+    def read_master(self, out=None):
+        return self.master if out is None else np.copyto(out, self.master) or out
+
+    def close(self) -> None:
+        self.optimizer.close()
+
+
+class HostLoopStep(StepBase):
+    """``state, metrics = step(state, batch)`` with the optimizer state outside the TrainState.
+
+    ``store``: "nvme" (files under ``config.nvme_path``) or "memory". The step counter of the
+    optimizer (for bias correction) counts applied updates; skipped (non-finite) steps do not
+    advance it, and raise ``NonFiniteError`` under fp32 as the jitted step does.
+    """
+
+    def __init__(self, loss_fn: Callable, state: TrainState, has_aux: bool = False, store: str = "nvme",
+                 check_errors: bool = True):
+        plan = state.plan
+        cfg = plan.config
+        if cfg.precision == "fp16":
+            raise ConfigError("offload_optimizer='nvme' with precision='fp16' is not supported. Fix: use bf16")
+        self.plan, self.cfg, self.check_errors = plan, cfg, check_errors
+        opt = recognize(state.tx)
+        if opt is None:
+            raise refuse(state.tx, f"offload_optimizer={cfg.offload_optimizer!r} (the host loop)")
+        self.settings = StepSettings(state.tx, opt)
+        self.host_opt = HostOptimizer(opt, self.settings.peek())
+        self.cdt = plan.compute_dtype
+        self.layout = FlatLayout.from_tree([jax.ShapeDtypeStruct(lay.shape, np.float32) for lay in plan.leaves])
+        n = self.layout.total
+        if store == "nvme":
+            _validate_dir(cfg.nvme_path)  # missing / not a directory / not writable: a clear error now
+            path = os.path.join(cfg.nvme_path, f"zerojax_optimizer_p{jax.process_index()}")
+            os.makedirs(path, exist_ok=True)
+            self.store = NvmeOptimizerStore(path, n, int(min(cfg.sub_group_size, n)), optimizer=self.host_opt)
+        elif store == "memory":
+            self.store = MemoryAdamW(n, self.host_opt)
+        else:
+            raise ConfigError(f"store={store!r}: expected 'nvme' or 'memory'")
+        self.grads = np.empty(n, jnp.dtype(self.cdt))
+        self.out16 = np.empty(n, jnp.dtype(self.cdt)) if self.cdt != jnp.float32 else None
+        self.count = 0
+        self.store.init(self.layout.fill(np.empty(n, np.float32), placement.params_logical(plan, state.params)))
+        compute_grads = grads_fn(loss_fn, plan, has_aux)
+        def device(params, batch, rng):
+            g, loss = compute_grads(params, batch, jnp.float32(1.0), rng)
+            checked = check_gradients(cfg, placement.to_update(plan, g), loss)
+            leaves = [(x / checked.coef).astype(self.cdt) for x in plan.treedef.flatten_up_to(checked.grads)]
+            return leaves, loss, checked._replace(grads=None)
+
+        def place(leaves):
+            return placement.params_stored(plan, [x.astype(self.cdt) for x in leaves])
+
+        self._device = jax.jit(device)
+        self._place = jax.jit(place, out_shardings=plan.param_shardings)
+
+    def lower(self, state: TrainState, batch):
+        """The jax Lowered of the device part (gradients, norm, clipping); the update runs on the host."""
+        self._check(state, batch)
+        return self._device.lower(state.params, batch, jax.random.fold_in(state.rng, state.step))
+
+    def __call__(self, state: TrainState, batch):
+        self._check(state, batch)
+        rng = jax.random.fold_in(state.rng, state.step)
+        grads, loss, checked = self._device(state.params, batch, rng)
+        skip = bool(checked.skip)
+        hp = self.settings.peek()  # what this step uses, or would have used where skipped
+        if not skip:
+            self.layout.fill(self.grads, grads)
+            self.count += 1
+            self.host_opt.use(self.settings.next())
+            # a failed write raises NvmeError here; the store keeps its last committed step and
+            # the caller's state (not donated) is untouched
+            self.store.step(self.grads, self.count, lr=float(hp["learning_rate"]), out16=self.out16)
+            flat = self.out16 if self.out16 is not None else self.store.read_master()
+            state = state.replace(params=self._place(self.layout.views(flat)))
+        new_state = state.replace(step=state.step + 1)
+        metrics = step_metrics(self.cfg, loss, checked, hp["learning_rate"])
+        self._report(new_state, metrics)
+        return new_state, metrics
+
+    def master(self) -> np.ndarray:
+        """The fp32 master as one flat array (read from the store)."""
+        return np.array(self.store.read_master())
+
+    def close(self) -> None:
+        self.store.close()
+        self.host_opt.close()  # an NVMe store does not own it; closing twice is harmless
+
+
+__all__ = ["HostLoopStep", "MemoryAdamW"]

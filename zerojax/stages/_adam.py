@@ -1,0 +1,138 @@
+"""AdamW in one elementwise pass whose overflow skip is a coefficient, not a select.
+
+A skipped step must leave params and moments exactly as they were. Written as
+``where(skip, old, new)`` over the state, XLA recomputes the new moments inside the params'
+fusion from the old ones while another fusion overwrites them in place, so it copies every
+moment first: on an optimizer-bound model that doubles the step. Here the skip enters the
+coefficients instead: on a skipped step ``b1``, ``b2`` become 1, their complements and the
+step size 0, and the gradient is replaced by zeros, so ``m' = m``, ``v' = v`` and
+``p' = p`` exactly, with the same fusions as an unguarded update. On an applied step the
+arithmetic is optax's, term for term.
+
+It applies to the optimizers whose state and update it can prove it reproduces
+(:func:`adam_recipe`): ``optax.adam`` / ``optax.adamw`` with constant settings (as the one
+recognition, :mod:`zerojax.update._recognize`, reads them), and ``optax.inject_hyperparams`` of them, which is what
+the DeepSpeed ``Adam``/``AdamW`` blocks build (settings and schedules read from the state
+each step). Each candidate is checked against its own ``tx.update`` on probe values,
+extreme ones included, before it is used; anything else keeps the general select path.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from zerojax.stages._gating import (
+    agrees_with_optax,
+    find_node,
+    per_transformation,
+    replace_node,
+    scalar_step,
+    select_scalars,
+    unzip_leaves,
+    zero_unless,
+)
+from zerojax.update._recognize import recognize
+
+__all__ = ["AdamRecipe", "adam_node", "adam_recipe", "gated_adam", "step_hyperparams"]
+
+_HP_KEYS = ("learning_rate", "b1", "b2", "eps", "weight_decay")
+
+
+def adam_node(opt_state) -> Optional[optax.ScaleByAdamState]:
+    """The ScaleByAdamState of a ``chain(scale_by_adam, <stateless>...)`` state, bare or inside
+    ``optax.inject_hyperparams`` (with Adam's settings injected); None for anything else."""
+    return find_node(opt_state, optax.ScaleByAdamState, _HP_KEYS)
+
+
+def step_hyperparams(tx, opt_state):
+    """:func:`scalar_step` of an Adam state."""
+    return scalar_step(tx, opt_state, adam_node(opt_state), ("mu", "nu"))
+
+
+@dataclass(frozen=True)
+class AdamRecipe:
+    """How to run ``tx`` as a gated pass: its settings are ``constants`` or, when None, read from
+    the injected hyperparameters of the state each step."""
+    constants: Optional[dict] = None
+
+
+def gated_adam(recipe: AdamRecipe, tx, params, grads, opt_state, apply):
+    """``(params, opt_state)`` after one AdamW update where ``apply`` (a traced bool) is true,
+    exactly unchanged where it is false; ``grads`` may be non-finite when it is false.
+
+    Elementwise over whatever layout the trees share (partitioned, padded storage: zero
+    padding stays zero)."""
+    hp, before, after = step_hyperparams(tx, opt_state)
+    hp = recipe.constants if recipe.constants is not None else hp
+    lr, b1, b2, eps, wd = (hp[k] for k in _HP_KEYS)
+    eps_root = hp.get("eps_root", 0.0)
+    node = adam_node(opt_state)
+    count = optax.safe_increment(node.count)  # bias correction as if applied: finite either way
+    one = jnp.float32(1.0)
+    keep1, keep2 = jnp.where(apply, b1, one), jnp.where(apply, b2, one)
+    take1, take2 = jnp.where(apply, 1 - b1, 0.0), jnp.where(apply, 1 - b2, 0.0)
+    step = jnp.where(apply, -lr, 0.0)
+    bc1, bc2 = 1 - b1 ** count, 1 - b2 ** count
+
+    def leaf(p, g, m, v):
+        g = zero_unless(apply, g)
+        m = take1 * g + keep1 * m
+        v = take2 * (g ** 2) + keep2 * v
+        u = (m / bc1.astype(m.dtype)) / (jnp.sqrt(v / bc2.astype(v.dtype) + eps_root) + eps)
+        u = u + wd * p
+        return (p + step * u).astype(p.dtype), m, v
+
+    out = jax.tree_util.tree_map(leaf, params, grads, node.mu, node.nu)
+    new_p, mu, nu = (unzip_leaves(params, out, i) for i in range(3))
+    # the scalars (counts, hyperparameters) advance only on an applied step
+    scalars = select_scalars(apply, after, before)
+    return new_p, replace_node(scalars, adam_node(scalars)._replace(mu=mu, nu=nu))
+
+
+# ------------------------------------------------------------------ recognising
+
+
+def _probes(shape=(6,)):
+    """Probe states: ordinary values after four updates, and, at the first update, moments whose
+    update is huge (a global clip or a trust ratio downstream of Adam shows)."""
+    rng = np.random.default_rng(0)
+    # params small next to the step, so an lr off by 1e-6 shows in the new params
+    ordinary = [rng.normal(size=shape) * 1e-5, rng.normal(size=shape), rng.normal(size=shape) * 0.1,
+                rng.random(shape) * 0.01 + 1e-4]
+    extreme = [rng.normal(size=shape) * 1e-5, rng.normal(size=shape) * 1e-10, np.full(shape, 1.0),
+               np.full(shape, 1e-20)]
+    for count, values in ((4, ordinary), (0, extreme)):
+        yield count, *(jnp.asarray(a, jnp.float32) for a in values)
+
+
+def _verified(recipe: AdamRecipe, tx) -> bool:
+    for count, p, g, m, v in _probes():
+        params, grads = {"x": p}, {"x": g}
+        state = tx.init(params)
+        node = adam_node(state)
+        if node is None or node.mu["x"].dtype != jnp.float32 or node.nu["x"].dtype != jnp.float32:
+            return False
+        state = replace_node(state, node._replace(count=jnp.asarray(count, node.count.dtype), mu={"x": m},
+                                                   nu={"x": v}))
+        if hasattr(state, "count") and hasattr(state, "hyperparams"):
+            state = state._replace(count=jnp.asarray(count, state.count.dtype))
+        if not agrees_with_optax(tx, lambda *a: gated_adam(recipe, tx, *a), params, grads, state):
+            return False
+    return True
+
+
+@per_transformation
+def adam_recipe(tx) -> Optional[AdamRecipe]:
+    """An :class:`AdamRecipe` when ``tx`` is an Adam/AdamW (as :func:`zerojax.update._recognize.recognize`
+    finds it) that this pass reproduces exactly (checked on probes), else None (the caller keeps
+    the general path). Remembered per transformation."""
+    opt = recognize(tx)
+    if opt is None or opt.kind != "adam" or adam_node(tx.init({"x": jnp.zeros((6,), jnp.float32)})) is None:
+        return None
+    recipe = AdamRecipe(opt.constants)
+    return recipe if _verified(recipe, tx) else None

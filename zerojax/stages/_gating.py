@@ -1,0 +1,102 @@
+"""What the gated update passes share (:mod:`zerojax.stages._adam`, :mod:`zerojax.stages._momentum`):
+finding the one stateful transformation of a chain, bare or injected; advancing its scalars
+(counts, hyperparameters, schedules) on an applied step only; the gradient zeroed on a skipped
+one; and checking a pass against the optimizer's own ``tx.update``.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from zerojax._compat import same_memory_space
+
+__all__ = ["agrees_with_optax", "find_node", "per_transformation", "replace_node", "scalar_step",
+           "select_scalars", "unzip_leaves", "zero_unless"]
+
+
+def _is_empty(x) -> bool:
+    return isinstance(x, optax.EmptyState)
+
+
+def _chain_of(chain, cls) -> bool:
+    return isinstance(chain, tuple) and bool(chain) and isinstance(chain[0], cls) and all(map(_is_empty, chain[1:]))
+
+
+def find_node(opt_state, cls, hp_keys):
+    """The ``cls`` state of a ``chain(<cls's transformation>, <stateless>...)`` state, bare or
+    inside ``optax.inject_hyperparams`` (with ``hp_keys`` injected); None for anything else."""
+    hp = getattr(opt_state, "hyperparams", None)
+    if hp is not None:
+        inner = getattr(opt_state, "inner_state", None)
+        if isinstance(hp, dict) and set(hp_keys) <= set(hp) and _chain_of(inner, cls):
+            return inner[0]
+        return None
+    return opt_state[0] if _chain_of(opt_state, cls) else None
+
+
+def replace_node(opt_state, node):
+    """``opt_state`` with the state of its chain's first transformation replaced by ``node``."""
+    if getattr(opt_state, "hyperparams", None) is not None:
+        return opt_state._replace(inner_state=(node,) + tuple(opt_state.inner_state[1:]))
+    return (node,) + tuple(opt_state[1:])
+
+
+def scalar_step(tx, opt_state, node, moments):
+    """``(hyperparams, before, after)`` for one update of ``opt_state`` without touching the
+    moments (``node``'s fields named in ``moments``): ``tx`` runs on a copy whose moments are
+    scalars (``before``), so counts, injected hyperparameters and schedules advance (``after``)
+    exactly as optax's would. ``hyperparams`` (None unless injected) are the values this step
+    uses."""
+    zeros = jax.tree_util.tree_map(lambda _: jnp.zeros((), jnp.float32), getattr(node, moments[0]))
+    before = replace_node(opt_state, node._replace(**{m: zeros for m in moments}))
+    _, after = tx.update(zeros, before, zeros)
+    return getattr(after, "hyperparams", None), before, after
+
+
+def select_scalars(apply, after, before):
+    """The scalars (counts, hyperparameters) of ``after`` where ``apply``, else ``before``'s."""
+    return jax.tree_util.tree_map(lambda new, old: jnp.where(apply, same_memory_space(new, old), old), after, before)
+
+
+def zero_unless(apply, g):
+    """``g``, or zeros where ``apply`` is false (typed in ``g``'s memory space: on the host too)."""
+    return jnp.where(apply, g, same_memory_space(jnp.zeros((), g.dtype), g))
+
+
+def unzip_leaves(like, out, i):
+    """The ``i``-th of the tuples a leafwise map over ``like``'s structure returned, as a tree."""
+    return jax.tree_util.tree_map(lambda _, o: o[i], like, out)
+
+
+def agrees_with_optax(tx, gated, params, grads, state) -> bool:
+    """Whether ``gated(params, grads, state, True)`` gives the params and state (every leaf) that
+    ``tx.update`` and ``optax.apply_updates`` give, to 1e-6."""
+    u, want = tx.update(grads, state, params)
+    got_p, got = gated(params, grads, state, jnp.asarray(True))
+    pairs = list(zip(jax.tree_util.tree_leaves((optax.apply_updates(params, u), want)),
+                     jax.tree_util.tree_leaves((got_p, got))))
+    if len(pairs) != len(jax.tree_util.tree_leaves((params, want))):
+        return False
+    for a, b in pairs:
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        if a.shape != b.shape or not np.allclose(a, b, rtol=1e-6, atol=0):
+            return False
+    return True
+
+
+def per_transformation(fn):
+    """``fn(tx)`` remembered per transformation (an unhashable one is probed again each time)."""
+    cached = functools.lru_cache(maxsize=256)(fn)
+
+    @functools.wraps(fn)
+    def remembered(tx):
+        try:
+            return cached(tx)
+        except TypeError:  # unhashable transformation
+            return fn(tx)
+
+    return remembered

@@ -1,0 +1,144 @@
+"""The data-parallel gradient of every stage, with its explicit reduction.
+
+Inside a body that is manual over the data axis each device runs the user's loss on its
+part of the batch, micro-batch by micro-batch (``lax.scan``). The gradient reduction is the
+stage's:
+
+    stage 0  local accumulation, one all-reduce per optimizer step           2Ψ
+    stage 1  local accumulation, one reduce-scatter per optimizer step       Ψ
+    stage 2  a reduce-scatter per micro-batch into the local partition       GAS·Ψ
+    stage 3  params all-gathered per micro-batch; the gather's transpose is
+             a reduce-scatter per micro-batch                                GAS·(Ψ + Ψ)
+
+With ``reduce_scatter=False`` (DeepSpeed's ``zero_optimization.reduce_scatter``) stages 1 and 2
+all-reduce those gradients instead (same buckets, 2Ψ per reduction) and each device keeps its
+own partition; stage 3 always reduce-scatters, as in DeepSpeed (ZeroPlan warns). With ZeRO++'s
+``quantized_gradients`` stage 3 reduces through quantized all-to-all exchanges instead
+(:mod:`zerojax.stages._zeropp`).
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from zerojax._compat import shard_map, to_device_memory
+from zerojax._plan import ZeroPlan
+from zerojax.stages import _collectives as C
+from zerojax.stages._stage3 import gathered_loss
+from zerojax.stages._zeropp import Wire
+
+__all__ = ["grads_fn", "loss_arity"]
+
+def loss_arity(loss_fn) -> int:
+    try:
+        params = inspect.signature(loss_fn).parameters.values()
+    except (TypeError, ValueError):  # pragma: no cover
+        return 2
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return 3 if len(positional) >= 3 else 2
+
+
+def grads_fn(loss_fn: Callable, plan: ZeroPlan, has_aux: bool = False):
+    """The data-parallel gradient computation: (params, batch, scale, rng) -> (grads, loss).
+
+    ``grads`` are the mean over the global batch of d(scale·loss)/d(params), laid out as
+    ``plan.grad_shardings`` (partitioned from stage 1) and in float32.
+    """
+    cfg, n, axis = plan.config, plan.n, plan.data_axis
+    gas = cfg.gradient_accumulation_steps
+    cdt = plan.compute_dtype
+    takes_rng = loss_arity(loss_fn) >= 3
+    f32 = jnp.float32
+    stage3_loss = gathered_loss(loss_fn, plan, takes_rng) if any(lay.params_partitioned for lay in plan.leaves) else None
+
+    def per_micro(lay):  # reduce this leaf's gradient after every micro-batch?
+        return not lay.params_partitioned and plan.stage >= 2 and plan.grad_partitioned(lay)
+
+    # reduce_scatter=False: all-reduce, then keep the local partition (stage 3 ignores the key)
+    scatter = C.bucketed_reduce_scatter if cfg.reduce_scatter or plan.stage == 3 else C.bucketed_all_reduce_slice
+    wire = Wire.of(plan)
+    if wire.grad_bits:  # ZeRO++ qgZ (stage 3): the leaves kept whole are reduced the same quantized way
+        def scatter(xs, lays, axis_name, n, bucket_size):
+            return wire.bucketed_reduce(xs, lays, bucket_size)
+
+    def reduce_some(tree, select):
+        """Reduce the leaves ``select`` picks into this device's partitions, in buckets of
+        reduce_bucket_size. One device: nothing to reduce (XLA would still copy the gradients)."""
+        if n == 1:
+            return tree
+        return C.on_selected(plan, tree, select, lambda lays, xs: scatter(
+            xs, lays, axis, n, int(cfg.reduce_bucket_size)))
+
+    def all_reduce_some(tree, select):
+        if n == 1:
+            return tree
+        return C.on_selected(plan, tree, select, lambda lays, xs: C.bucketed_all_reduce(
+            xs, lays, axis, int(cfg.reduce_bucket_size)))
+
+    def acc_shape(lay):
+        if lay.params_partitioned or per_micro(lay):
+            return C.local_shape(lay, n)
+        return lay.shape
+
+    denom = f32(n * gas)
+
+    def body(params, batch, scale, rng):
+        # the mean over devices and micro-batches is folded into the loss's scale, so no pass
+        # over the gradients divides them afterwards
+        grad_scale = scale / denom
+
+        def loss_of(p, mb, key):
+            if stage3_loss is not None:
+                out = stage3_loss(p, mb, key)
+            else:
+                out = loss_fn(p, mb, key) if takes_rng else loss_fn(p, mb)
+            loss = out[0] if has_aux else out
+            return loss.astype(f32) * grad_scale, loss.astype(f32)
+
+        def micro_grads(mb, i):
+            key = jax.random.fold_in(jax.random.fold_in(rng, jax.lax.axis_index(axis)), i)
+            g, loss = jax.grad(loss_of, has_aux=True)(params, mb, key)
+            g = jax.tree_util.tree_map(to_device_memory, g)  # offloaded params' gradients
+            return reduce_some(g, per_micro), loss
+
+        if gas == 1:  # one micro-batch: no fp32 accumulator, no pass that adds into one
+            acc, loss_sum = micro_grads(batch, 0)
+        else:
+            mbs = jax.tree_util.tree_map(lambda x: x.reshape((gas, x.shape[0] // gas) + x.shape[1:]), batch)
+
+            def micro(carry, xs):
+                acc, loss_sum = carry
+                g, loss = micro_grads(*xs)
+                acc = jax.tree_util.tree_map(lambda a, x: a + x.astype(f32), acc, g)
+                return (acc, loss_sum + loss), None
+
+            acc0 = plan.map(lambda lay: jnp.zeros(acc_shape(lay), f32))
+            (acc, loss_sum), _ = jax.lax.scan(micro, (acc0, jnp.zeros((), f32)), (mbs, jnp.arange(gas)))
+
+        def at_end_rs(lay):  # stage 1: one reduce-scatter (or all-reduce) per optimizer step
+            return not lay.params_partitioned and not per_micro(lay) and plan.grad_partitioned(lay)
+
+        def at_end_ar(lay):  # stage 0 (and leaves that cannot be split): one all-reduce
+            return not lay.params_partitioned and not per_micro(lay) and not plan.grad_partitioned(lay)
+
+        # communicate in the gradient dtype
+        grads = plan.map(lambda lay, a: a.astype(cdt) if at_end_rs(lay) or at_end_ar(lay) else a, acc)
+        grads = reduce_some(grads, at_end_rs)
+        grads = all_reduce_some(grads, at_end_ar)
+        grads = jax.tree_util.tree_map(lambda g: g.astype(f32), grads)
+        return grads, jax.lax.psum(loss_sum, axis) / denom
+
+    param_specs = plan.map(lambda lay: lay.data_spec(lay.params_partitioned, axis))
+    grad_specs = plan.map(lambda lay: lay.data_spec(plan.grad_partitioned(lay), axis))
+
+    def run(params, batch, scale, rng):
+        batch_specs = jax.tree_util.tree_map(lambda _: P(axis), batch)
+        sm = shard_map(body, plan.mesh, in_specs=(param_specs, batch_specs, P(), P()),
+                       out_specs=(grad_specs, P()), manual_axes={axis})
+        return sm(params, batch, scale, rng)
+
+    return run

@@ -1,0 +1,93 @@
+"""SGD with momentum in one elementwise pass whose overflow skip is a coefficient (see
+:mod:`zerojax.stages._adam`): on a skipped step the momentum becomes 1, the gradient zeros and
+the step size 0, so the trace and the params stay exactly as they were.
+
+For ``optax.sgd(lr, momentum)`` with constant settings (as :mod:`zerojax.update._recognize`
+reads them) and
+``optax.inject_hyperparams(optax.sgd)``; each is checked against its own ``tx.update`` first.
+Nesterov momentum, weight decay chains and schedules outside ``inject_hyperparams`` keep the
+general select path.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from zerojax.stages._gating import (
+    agrees_with_optax,
+    find_node,
+    per_transformation,
+    replace_node,
+    scalar_step,
+    select_scalars,
+    unzip_leaves,
+    zero_unless,
+)
+from zerojax.update._recognize import recognize
+
+__all__ = ["MomentumRecipe", "gated_momentum", "momentum_recipe"]
+
+_HP_KEYS = ("learning_rate", "momentum")
+
+
+def _node(opt_state):
+    return find_node(opt_state, optax.TraceState, _HP_KEYS)
+
+
+@dataclass(frozen=True)
+class MomentumRecipe:
+    """Settings as ``constants``, or (None) read from the injected hyperparameters each step."""
+    constants: Optional[dict] = None
+
+
+def gated_momentum(recipe: MomentumRecipe, tx, params, grads, opt_state, apply):
+    """``(params, opt_state)`` after one SGD-momentum update where ``apply`` is true, exactly
+    unchanged where it is false (``grads`` may then be non-finite). optax's arithmetic:
+    ``t' = g + momentum * t``, ``p' = p - lr * t'``."""
+    node = _node(opt_state)
+    hp, before, after = scalar_step(tx, opt_state, node, ("trace",))
+    hp = recipe.constants if recipe.constants is not None else hp
+    keep = jnp.where(apply, hp["momentum"], jnp.float32(1.0))
+    step = jnp.where(apply, -hp["learning_rate"], 0.0)
+
+    def leaf(p, g, t):
+        t = zero_unless(apply, g) + keep * t
+        return (p + step * t).astype(p.dtype), t
+
+    out = jax.tree_util.tree_map(leaf, params, grads, node.trace)
+    new_p, trace = (unzip_leaves(params, out, i) for i in range(2))
+    scalars = select_scalars(apply, after, before)
+    return new_p, replace_node(scalars, _node(scalars)._replace(trace=trace))
+
+
+def _verified(recipe: MomentumRecipe, tx) -> bool:
+    rng = np.random.default_rng(0)
+    for scale in (1.0, 1e-10):  # ordinary, and gradients that vanish next to the trace
+        params = {"x": jnp.asarray(rng.normal(size=6) * 1e-5, jnp.float32)}
+        grads = {"x": jnp.asarray(rng.normal(size=6) * scale, jnp.float32)}
+        state = tx.init(params)
+        node = _node(state)
+        if node is None or node.trace["x"].dtype != jnp.float32:
+            return False
+        state = replace_node(state, node._replace(trace={"x": jnp.asarray(rng.normal(size=6), jnp.float32)}))
+        if not agrees_with_optax(tx, lambda *a: gated_momentum(recipe, tx, *a), params, grads, state):
+            return False
+    return True
+
+
+@per_transformation
+def momentum_recipe(tx) -> Optional[MomentumRecipe]:
+    """A :class:`MomentumRecipe` when ``tx`` is an SGD with momentum this module reproduces
+    exactly (checked on probes), else None."""
+    opt = recognize(tx)
+    if opt is None or opt.kind != "sgd" or opt.nesterov or not opt.slots:
+        return None
+    if _node(tx.init({"x": jnp.zeros((6,), jnp.float32)})) is None:
+        return None
+    recipe = MomentumRecipe(opt.constants)
+    return recipe if _verified(recipe, tx) else None

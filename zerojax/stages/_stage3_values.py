@@ -1,0 +1,407 @@
+"""The values of the stage-3 replay (:mod:`zerojax.stages._stage3`): a stored shard and its lazy
+gathered form, the points where a gather is issued (a use site), and the operations that read a
+large param in part (matmuls in slices, sharded embedding lookups) without gathering it whole.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, List, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from zerojax._compat import Tracer, to_device_memory
+from zerojax._plan import LeafLayout
+from zerojax.stages import _collectives as C
+from zerojax.stages._reuse import Fetches, Slicing
+from zerojax.stages._zeropp import Wire
+
+MARK = "zerojax_gather"
+
+
+def gather(tree):
+    """Mark where a stage-3 step should gather ``tree``'s params (the identity otherwise)."""
+    return jax.tree_util.tree_map(lambda x: checkpoint_name(x, MARK), tree)
+
+
+def _tie(x, anchor):
+    """``x`` made to depend on ``anchor`` without changing its value."""
+    if anchor is None:
+        return x
+    a = jnp.ravel(anchor)[0] if anchor.ndim else anchor
+    if not jnp.issubdtype(x.dtype, jnp.floating):  # integers (quantized rows): ``0 * a`` would fold
+        return jax.lax.optimization_barrier((x, a))[0]
+    if not jnp.issubdtype(a.dtype, jnp.floating):
+        a = a.astype(jnp.float32)
+    return x + jnp.zeros((), x.dtype) * jax.lax.stop_gradient(a).astype(x.dtype)
+
+
+def _gather_again(full, shard, anchor, lay: LeafLayout, wire: Wire):
+    """``full`` gathered anew from ``shard`` (after ``anchor``): the forward pass moves the param
+    again instead of keeping ``full`` alive; the cotangent is handed to ``full``, so all uses'
+    cotangents still meet before the param's one reduction."""
+
+    def gathered(full, shard, anchor):  # ``full`` is not read: only its cotangent matters
+        return wire.gather_values(_tie(to_device_memory(shard), anchor), lay)[0]
+
+    again = jax.custom_vjp(gathered)
+    again.defvjp(lambda *args: (gathered(*args), None), lambda _, ct: (ct, None, None))
+    return again(full, shard, anchor)
+
+
+class Base:
+    """A partitioned param not gathered yet: its local shard, layout and forward gather."""
+
+    __slots__ = ("shard", "lay", "full", "secondary", "wire", "fetches", "last_use", "kept")
+
+    def __init__(self, shard, lay: LeafLayout, wire: Wire, fetches: Optional[Fetches] = None):
+        self.shard, self.lay, self.full, self.secondary, self.wire = shard, lay, None, None, wire
+        self.fetches = Fetches(math.inf) if fetches is None else fetches
+        self.last_use = None  # Fetches.count after the last use of ``full``; None: not used yet
+        self.kept = None  # the gathered copy held for the backward pass, once one use keeps it
+
+    @property
+    def axis_name(self) -> str:
+        return self.wire.axis_name
+
+    @property
+    def residual(self):
+        """What the backward pass gathers the param from: the hpZ secondary partition (kept
+        from the forward gather), else the shard itself."""
+        return self.shard if self.secondary is None else self.secondary
+
+    def gather_forward(self, anchor):
+        if self.full is None:
+            # the gather's transpose is the gradient reduction: all use sites' cotangents are
+            # summed first, so a tied param is reduced once
+            # an offloaded shard comes from host memory just before its gather
+            self.full, self.secondary = self.wire.gather(_tie(to_device_memory(self.shard), anchor), self.lay)
+        return self.full
+
+    def fetch(self, anchor):
+        """The whole param at a use site: the gathered copy, or a new gather when more than
+        ``max_reuse_distance`` elements of params were used since the copy's last use."""
+        if self.full is not None and self.last_use is not None \
+                and self.fetches.count - self.last_use > self.fetches.limit:
+            self.full = _gather_again(self.full, self.shard, anchor, self.lay, self.wire)
+            self.last_use = None
+        return self.gather_forward(anchor)
+
+
+def _gather_together(bases: Sequence[Base], anchor) -> None:
+    """Forward gathers issued at one point, as one all-gather of their shards laid end to end
+    (per dtype; DeepSpeed's coalesced gather of a prefetch bucket): its transpose is then one
+    reduce-scatter of their gradients (with hpZ each keeps its secondary partition). Quantized
+    wires (qwZ, qgZ) gather param by param."""
+    wire = bases[0].wire if bases else None
+    if len(bases) < 2 or wire.quantized:
+        for b in bases:
+            b.gather_forward(anchor)
+        return
+    lays = [b.lay for b in bases]
+
+    # the reduce-scatter written out: as the transpose of the slices of one gathered buffer,
+    # each param's cotangent would be padded to the whole buffer and summed
+    @jax.custom_vjp
+    def gathered(shards):
+        return C.bucketed_gather(shards, lays, wire.axis_name, wire.n, math.inf)
+
+    def reduced(_, cts):
+        return (C.bucketed_reduce_scatter(list(cts), lays, wire.axis_name, wire.n, math.inf),)
+
+    gathered.defvjp(lambda shards: (gathered(shards), None), reduced)
+    fulls = gathered([_tie(to_device_memory(b.shard), anchor) for b in bases])
+    for b, full in zip(bases, fulls):
+        b.full = full
+        if wire.hpz:
+            b.secondary = wire.secondary_of(full, b.lay)
+
+
+@dataclasses.dataclass
+class Lazy:
+    """A value computed from params alone: ``fn(*whole params of sources)``."""
+
+    sources: tuple  # Base, in order
+    fn: Callable
+    # for one source reached through shape-agnostic ops only (transposes, casts): the value's
+    # axis for each of the param's axes, so ``fn`` may be applied to a slice of the param
+    dims: Optional[tuple] = None
+
+    @property
+    def is_param(self) -> bool:
+        """A param itself (not a transform of one)."""
+        return self.fn is _identity
+
+
+def _identity(full):
+    return full
+
+
+def _param(base: Base) -> Lazy:
+    return Lazy((base,), _identity, tuple(range(len(base.lay.shape))))
+
+
+_SHAPE_AGNOSTIC = ("convert_element_type", "copy", "copy_p", "neg", "reduce_precision")
+
+
+def _dims_after(eqn, invals) -> Optional[tuple]:
+    """``Lazy.dims`` of ``eqn``'s output, when it keeps a one-param lazy value sliceable."""
+    lazies = [x for x in invals if isinstance(x, Lazy)]
+    if len(lazies) != 1 or len(invals) != 1 or lazies[0].dims is None or len(lazies[0].sources) != 1:
+        return None
+    dims = lazies[0].dims
+    if eqn.primitive.name == "transpose":
+        perm = tuple(eqn.params["permutation"])
+        return tuple(perm.index(d) for d in dims)
+    return dims if eqn.primitive.name in _SHAPE_AGNOSTIC else None
+
+
+def _bind(eqn, invals):
+    params = eqn.primitive.get_bind_params(eqn.params)
+    if isinstance(params, tuple):  # older jax: (subfuns, params)
+        subfuns, params = params
+        invals = list(subfuns) + list(invals)
+    with eqn.ctx.manager:
+        out = eqn.primitive.bind(*invals, **params)
+    return out if eqn.primitive.multiple_results else [out]
+
+
+def _is_float(x) -> bool:
+    return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)
+
+
+def _use_site(op: Callable[[list], list], invals: list, anchor):
+    """Apply ``op`` (an equation, as a function of its input values) where some inputs are
+    lazy: gathered once in the forward pass, gathered again in the backward pass."""
+    bases: List[Base] = []
+    for x in invals:
+        if isinstance(x, Lazy):
+            for b in x.sources:
+                if all(b is not c for c in bases):
+                    bases.append(b)
+    lazy_pos = [i for i, x in enumerate(invals) if isinstance(x, Lazy)]
+    other_pos = [i for i, x in enumerate(invals) if not isinstance(x, Lazy)]
+    diff_pos = [i for i in other_pos if _is_float(invals[i])]
+    const_pos = [i for i in other_pos if not _is_float(invals[i])]
+
+    def apply(fulls, diffs, consts):
+        vals = list(invals)
+        for i in lazy_pos:
+            lz = invals[i]
+            vals[i] = lz.fn(*[fulls[next(k for k, b in enumerate(bases) if b is s)] for s in lz.sources])
+        for i, v in zip(diff_pos, diffs):
+            vals[i] = v
+        for i, v in zip(const_pos, consts):
+            vals[i] = v
+        return op(vals)
+
+    @jax.custom_vjp
+    def site(fulls, shards, diffs, consts):
+        return apply(fulls, diffs, consts)
+
+    def fwd(fulls, shards, diffs, consts):
+        # residuals: the gathered params and their shards (or hpZ secondary partitions) and the
+        # activations; the backward pass reads the gathered params it keeps and gathers the others
+        # again from their shards (what it does not read, the compiler drops after the forward use)
+        return apply(fulls, diffs, consts), (fulls, shards, diffs, consts)
+
+    def bwd(res, ct):
+        held, shards, diffs, consts = res
+        ct_anchor = next((c for c in ct if hasattr(c, "dtype") and _is_float(c)), None)
+        wholes = [h if k else b.wire.regather(_tie(to_device_memory(s), ct_anchor), b.lay, b.shard.dtype)
+                  for h, s, b, k in zip(held, shards, bases, kept())]
+        _, vjp = jax.vjp(lambda f, d: apply(f, d, consts), wholes, diffs)
+        d_fulls, d_diffs = vjp(ct)
+        return d_fulls, [None] * len(shards), d_diffs, [None] * len(consts)
+
+    site.defvjp(fwd, bwd)
+    fetches = bases[0].fetches
+    fulls = [b.fetch(anchor) for b in bases]
+    fetches.used(bases)
+    at, sizes, decided = fetches.count, [b.lay.size * fetches.repeat for b in bases], []
+
+    def kept():
+        if not decided:  # a copy another use already keeps costs nothing more
+            decided.extend(fetches.keep_for_backward(
+                at, [0 if b.kept is f else n for b, f, n in zip(bases, fulls, sizes)]))
+            for b, f, k in zip(bases, fulls, decided):
+                if k:
+                    b.kept = f
+        return decided
+
+    shards = [jax.lax.stop_gradient(b.residual) for b in bases]
+    return site(fulls, shards, [invals[i] for i in diff_pos], [invals[i] for i in const_pos])
+
+
+# ---------------------------------------------------------------------------- large params
+# A param larger than the slicing bound (:class:`Slicing`) is never whole on a device
+# when its use allows: a matmul gathers it slice by slice, and a row lookup reads only the
+# rows it needs. Both return the gradient of the local shard directly, reduce-scattered slice
+# by slice, so no param-sized gradient is held through the backward pass.
+def _keeping_inputs(forward: Callable, backward: Callable):
+    """``forward`` as a custom-VJP function whose residuals are its own inputs."""
+    f = jax.custom_vjp(forward)
+    f.defvjp(lambda *args: (forward(*args), args), backward)
+    return f
+
+
+def _pad_to(x, axis: int, size: int):
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, widths)
+
+
+def _chunked_dot(eqn, invals, slicing: Slicing) -> Optional[list]:
+    """A ``dot_general`` of an activation with one large param (or a transpose/cast of it),
+    computed over slices of the param along one of its free axes, in a loop: each slice is
+    gathered, used and dropped, forward and backward alike."""
+    pos = [i for i, x in enumerate(invals) if isinstance(x, Lazy)]
+    if len(pos) != 1 or len(invals) != 2:
+        return None
+    i = pos[0]
+    lz, x = invals[i], invals[1 - i]
+    if lz.dims is None or not _is_float(x) or not isinstance(x, Tracer):
+        return None
+    base = lz.sources[0]
+    lay = base.lay
+    (contract, batch) = eqn.params["dimension_numbers"]
+    used = set(contract[i]) | set(batch[i])
+    free = [a for a in range(len(lay.shape)) if a != lay.axis and lz.dims[a] not in used]
+    if not slicing.sliced(lay.size) or not free:
+        return None
+    ca = max(free, key=lambda a: lay.shape[a])
+    k = -(-lay.shape[ca] // max(1, slicing.unit(lay.size) // (lay.size // lay.shape[ca])))
+    if k < 2:
+        return None
+    rows = -(-lay.shape[ca] // k)  # k balanced slices: the last overlaps the one before by < k rows
+    # where the sliced axis lands in the output: batch dims, then lhs free, then rhs free
+    ndims = [len(eqn.invars[0].aval.shape), len(eqn.invars[1].aval.shape)]
+    frees = [[d for d in range(ndims[j]) if d not in contract[j] and d not in batch[j]] for j in (0, 1)]
+    out_axis = len(batch[0]) + (frees[0].index(lz.dims[ca]) if i == 0 else len(frees[0]) + frees[1].index(lz.dims[ca]))
+    shape_c = list(lay.shape)
+    shape_c[ca] = rows
+    lay_c = dataclasses.replace(lay, shape=tuple(shape_c))
+    wire = base.wire
+    shard_shape, shard_dtype = base.shard.shape, base.shard.dtype
+
+    def start(j):  # the last slice ends at the param's end, overlapping the one before
+        return jnp.minimum(j * rows, lay.shape[ca] - rows)
+
+    def part(shard, j):
+        return jax.lax.dynamic_slice_in_dim(shard, start(j), rows, axis=ca)
+
+    def dot(xv, full):
+        vals = [None, None]
+        vals[i], vals[1 - i] = lz.fn(full), xv
+        return _bind(eqn, vals)[0]
+
+    out_aval = eqn.outvars[0].aval
+
+    # slices are written into whole-size buffers in place; overlapping rows get equal values;
+    # with hpZ each slice's secondary partition is kept for the backward pass
+    def run(shard, xv):
+        def body(j, carry):
+            out, secs = carry
+            full, sec = wire.gather_values(part(shard, j), lay_c)
+            out = jax.lax.dynamic_update_slice_in_dim(out, dot(xv, full), start(j), out_axis)
+            if secs is not None:
+                secs = jax.lax.dynamic_update_index_in_dim(secs, sec, j, 0)
+            return out, secs
+
+        secs = None
+        if wire.hpz:
+            sec = jax.eval_shape(lambda s: wire.gather_values(part(s, 0), lay_c)[1], shard)
+            secs = jnp.zeros((k,) + sec.shape, sec.dtype)
+        return jax.lax.fori_loop(0, k, body, (jnp.zeros(out_aval.shape, out_aval.dtype), secs))
+
+    def fwd(shard, xv):
+        out, secs = run(shard, xv)
+        return out, (shard if secs is None else secs, xv)
+
+    def bwd(res, ct):
+        src, xv = res
+
+        def body(j, carry):
+            dx, dshard = carry
+            ct_j = jax.lax.dynamic_slice_in_dim(ct, start(j), rows, axis=out_axis)
+            # rows the overlapping last slice shares with the one before were counted there
+            fresh = jnp.arange(rows) + start(j) >= j * rows
+            shape = [1] * ct_j.ndim
+            shape[out_axis] = rows
+            ct_j = jnp.where(fresh.reshape(shape), ct_j, jnp.zeros((), ct_j.dtype))
+            from_ = jax.lax.dynamic_index_in_dim(src, j, 0, keepdims=False) if wire.hpz else part(src, j)
+            _, vjp = jax.vjp(dot, xv, wire.regather(_tie(from_, ct_j), lay_c, shard_dtype))
+            dx_j, dfull = vjp(ct_j)
+            piece = wire.reduce(dfull, lay_c).astype(shard_dtype)
+            piece = piece + jax.lax.dynamic_slice_in_dim(dshard, start(j), rows, axis=ca)
+            return dx + dx_j.astype(dx.dtype), jax.lax.dynamic_update_slice_in_dim(dshard, piece, start(j), ca)
+
+        dx0 = jnp.zeros(xv.shape, jnp.promote_types(xv.dtype, jnp.float32))
+        dx, dshard = jax.lax.fori_loop(0, k, body, (dx0, jnp.zeros(shard_shape, shard_dtype)))
+        return dshard, dx.astype(xv.dtype)
+
+    sliced = jax.custom_vjp(lambda shard, xv: run(shard, xv)[0])
+    sliced.defvjp(fwd, bwd)
+    base.fetches.used([base])
+    return [sliced(to_device_memory(base.shard), x)]
+
+
+def _sharded_lookup(eqn, invals) -> Optional[list]:
+    """Rows of a param split along its feature axis (an embedding lookup): every device looks
+    up all devices' ids in its own columns and an all-to-all returns each device its rows; the
+    backward pass sends the row gradients back and scatters them into the local shard. The
+    traffic is activation-sized, and the whole table is neither gathered nor reduced. Used when
+    a device looks up fewer rows than the table has."""
+    op, ids = invals
+    if not isinstance(op, Lazy) or not op.is_param or isinstance(ids, Lazy) or not isinstance(ids, Tracer):
+        return None
+    base = op.sources[0]
+    lay = base.lay
+    dn = eqn.params["dimension_numbers"]
+    sizes = tuple(eqn.params["slice_sizes"])
+    if (getattr(dn, "operand_batching_dims", ()) or lay.axis in dn.collapsed_slice_dims
+            or lay.axis in dn.start_index_map or sizes[lay.axis] != lay.shape[lay.axis]):
+        return None
+    looked_up = math.prod(ids.shape[:-1])
+    if looked_up >= math.prod(lay.shape[d] for d in dn.start_index_map):
+        return None
+    axis_name = base.axis_name
+    kept = [a for a in range(len(lay.shape)) if a not in dn.collapsed_slice_dims]
+    out_axis = dn.offset_dims[kept.index(lay.axis)]
+    local_sizes = list(sizes)
+    local_sizes[lay.axis] = base.shard.shape[lay.axis]
+    params = dict(eqn.params, slice_sizes=tuple(local_sizes))
+
+    def local(shard, all_ids):  # (n, ...) ids -> (n, ...) rows of this device's columns
+        return jax.vmap(lambda j: eqn.primitive.bind(shard, j, **params))(all_ids)
+
+    def forward(shard, all_ids):
+        rows = jax.lax.all_to_all(local(shard, all_ids), axis_name, 0, out_axis + 1, tiled=True)
+        return jax.lax.slice_in_dim(rows[0], 0, lay.shape[lay.axis], axis=out_axis)
+
+    def bwd(res, ct):
+        shard, all_ids = res
+        ct = _pad_to(ct, out_axis, lay.padded)[None]
+        parts = jax.lax.all_to_all(ct, axis_name, out_axis + 1, 0, tiled=True)
+        _, vjp = jax.vjp(lambda s: local(s, all_ids), shard)
+        return vjp(parts.astype(shard.dtype))[0], None
+
+    all_ids = jax.lax.all_gather(ids, axis_name)
+    base.fetches.used([base])
+    return [_keeping_inputs(forward, bwd)(to_device_memory(base.shard), all_ids)]
+
+
+def _inner(lay: LeafLayout) -> LeafLayout:
+    """Layout of one slice along dim 0 of a stacked param (split along a later dim)."""
+    return dataclasses.replace(lay, path=lay.path + "[i]", shape=lay.shape[1:], base_spec=lay.base_spec[1:],
+                               axis=lay.axis - 1)
+
+
+def _anchor(vals):
+    """An activation the current operation reads (floating point preferred, e.g. not token ids)."""
+    arrays = [v for v in vals if not isinstance(v, Lazy) and isinstance(v, Tracer)]
+    return next((v for v in arrays if _is_float(v)), arrays[0] if arrays else None)
+
+

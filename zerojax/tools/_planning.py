@@ -1,0 +1,375 @@
+"""plan_step: compile the real ZeRO step for N devices from shapes alone, on any machine.
+
+``plan_step`` builds the abstract train state (``abstract_train_state``), the step
+(``make_train_step``), lowers and compiles it for a mesh of N devices and reads what the compiler
+made of it: peak bytes per device, temporaries, collectives, next to the stored bytes of
+``zj.estimate``. Nothing is allocated, so a 70B model plans on a laptop::
+
+    cfg = GPTConfig(n_layer=24, d_model=2048, n_head=16, seq_len=2048, scan=True)
+    plan = zj.plan_step(functools.partial(gpt.init_params, cfg), zj.Ref("zerojax.models.gpt:loss_fn", cfg),
+                        {"tokens": jax.ShapeDtypeStruct((64, 2049), jnp.int32)},
+                        devices=64, config=zj.ZeroConfig(stage=3, precision="bf16"))
+    print(plan)
+
+When this process has fewer than N devices the compilation runs in a child Python process on N
+simulated CPU devices (``XLA_FLAGS=--xla_force_host_platform_device_count=N``, ``JAX_PLATFORMS=cpu``):
+device counts are fixed when jax starts, so no other way exists. The child receives the request
+by ``pickle``, so ``init_fn``, ``loss_fn`` and ``tx`` must then be importable by reference:
+
+* module-level functions (pickled as module + qualified name), ``functools.partial`` of them;
+* ``"package.module:function"`` strings;
+* ``Ref("package.module:factory", *args)``, which calls ``factory(*args)`` in the child: for loss
+  functions and optimizers built by a factory (``Ref("optax:adamw", 1e-3)``), since closures
+  cannot be sent.
+
+Lambdas and closures work in-process only. The figures are the CPU backend's: the layout and the
+collectives are the real step's, the temporaries are what XLA's CPU scheduler keeps alive.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import math
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Callable, Dict, Mapping, Optional, Union
+
+import jax
+import numpy as np
+
+from zerojax.config import ZeroConfig
+from zerojax._errors import ConfigError, ZeroJaxError
+from zerojax._mesh import make_mesh
+from zerojax.models import gpt
+from zerojax.models.gpt import GPTConfig
+from zerojax.stages._zeropp import node_size
+from zerojax._state import abstract_train_state
+from zerojax._step import make_train_step
+from zerojax.tools._compiled import (
+    CommReport,
+    PeakMemory,
+    collectives,
+    node_map,
+    theory_elements,
+)
+from zerojax.tools._estimate import estimate
+
+_STDERR_TAIL = 4000
+
+
+def gpt_sizes():
+    """Named GPT shapes for planning (``zerojax plan --model``, benchmarks/scale.py): stacked layers."""
+    return {
+        "gpt2-small": GPTConfig(vocab=50257, n_layer=12, d_model=768, n_head=12, seq_len=1024, scan=True),
+        "gpt-1.3b": GPTConfig(vocab=50257, n_layer=24, d_model=2048, n_head=16, seq_len=2048, scan=True),
+        "gpt-7b": GPTConfig(vocab=50257, n_layer=32, d_model=4096, n_head=32, seq_len=2048, scan=True),
+        "gpt-70b": GPTConfig(vocab=50257, n_layer=80, d_model=8192, n_head=64, seq_len=2048, scan=True),
+    }
+
+
+def named_gpt(model: str, seq_len: Optional[int] = None):
+    """``(cfg, init_fn, loss_fn)`` of a :func:`gpt_sizes` model (``seq_len`` overrides its
+    sequence length); both functions pickle, so :func:`plan_step` can compile them in a child."""
+    cfg = gpt_sizes()[model]
+    if seq_len is not None:
+        cfg = dataclasses.replace(cfg, seq_len=seq_len)
+    return cfg, functools.partial(gpt.init_params, cfg), Ref("zerojax.models.gpt:loss_fn", cfg)
+
+
+def _import(target: str):
+    module, sep, name = target.partition(":")
+    if not sep or not module or not name:
+        raise ConfigError(f"{target!r} is not an importable reference: write 'package.module:function'")
+    try:
+        obj = importlib.import_module(module)
+    except ImportError as e:
+        raise ConfigError(f"cannot import module {module!r} of {target!r}: {e}") from e
+    for part in name.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise ConfigError(f"module {module!r} has no attribute {name!r} (from {target!r})") from None
+    return obj
+
+
+@dataclasses.dataclass(frozen=True, init=False)
+class Ref:
+    """An importable callable, or what an importable factory returns when called with ``args``.
+
+        Ref("optax:adamw", 1e-3)                     # -> optax.adamw(1e-3), built where it is used
+        Ref("zerojax.models.gpt:loss_fn", cfg)       # -> gpt.loss_fn(cfg)
+        Ref("mypkg.model:loss")                      # -> mypkg.model.loss itself
+    """
+
+    target: str
+    args: tuple
+    kwargs: tuple  # sorted (name, value) pairs, so the Ref stays hashable and picklable
+
+    def __init__(self, target: str, *args, **kwargs):
+        object.__setattr__(self, "target", target)
+        object.__setattr__(self, "args", args)
+        object.__setattr__(self, "kwargs", tuple(sorted(kwargs.items())))
+
+    def resolve(self):
+        obj = _import(self.target)
+        if self.args or self.kwargs:
+            return obj(*self.args, **dict(self.kwargs))
+        return obj
+
+
+def resolve(obj):
+    """A Ref or 'module:function' string -> the object it names; anything else as is."""
+    if isinstance(obj, Ref):
+        return obj.resolve()
+    if isinstance(obj, str):
+        return _import(obj)
+    return obj
+
+
+@dataclasses.dataclass
+class StepPlan:
+    """What one compiled ZeRO step needs per device (bytes) and moves per step.
+
+    peak_bytes = argument + output + temp - alias (``zj.peak_memory``'s definition); stored_bytes
+    is the train state a device keeps between steps (``zj.estimate``, device memory only).
+    """
+
+    devices: int
+    mesh_shape: Dict[str, int]
+    n_params: int
+    peak_bytes: int
+    argument_bytes: int
+    output_bytes: int
+    temp_bytes: int
+    alias_bytes: int
+    stored_bytes: int
+    stored_host_bytes: int  # offloaded state (pinned or unpinned host memory), most loaded device
+    collective_bytes: int
+    collective_elements: int
+    theory_elements: float  # ZeRO's per-device volume for this stage (compiled.theory_elements)
+    collectives: Dict[str, tuple]  # kind -> (count, bytes, elements) per device per step
+    lower_seconds: float
+    compile_seconds: float
+    subprocess: bool
+    platform: str = "cpu"
+    comm: Optional[CommReport] = None  # the collectives in full: per span (inside / across nodes), re-priceable
+
+    @property
+    def seconds(self) -> float:
+        return self.lower_seconds + self.compile_seconds
+
+    @property
+    def device_peak_bytes(self) -> int:
+        """``peak_bytes`` in device memory alone: the CPU compiler places every memory kind in
+        one address space, so there the offloaded state is taken out of its peak."""
+        return self.peak_bytes - self.stored_host_bytes if self.platform == "cpu" else self.peak_bytes
+
+    def __str__(self) -> str:
+        mesh = " x ".join(f"{k}={v}" for k, v in self.mesh_shape.items())
+        where = ("in a child process on simulated CPU devices" if self.subprocess
+                 else f"on this process's {self.platform} devices")
+        ratio = self.collective_elements / self.theory_elements if self.theory_elements else float("nan")
+        count = f"{self.n_params / 1e9:.2f}B" if self.n_params >= 1e9 else f"{self.n_params / 1e6:.2f}M"
+        return "\n".join([
+            f"step plan: {count} params on {self.devices} devices ({mesh}), compiled {where} in "
+            f"{self.seconds:.1f}s (lower {self.lower_seconds:.1f}s, compile {self.compile_seconds:.1f}s)",
+            f"  peak per device       {_size(self.peak_bytes)} = arguments {_size(self.argument_bytes)}"
+            f" + outputs {_size(self.output_bytes)} + temporaries {_size(self.temp_bytes)}"
+            f" - aliased {_size(self.alias_bytes)}",
+            f"  stored state          {_size(self.stored_bytes)} on device"
+            + (f", {_size(self.stored_host_bytes)} on host" if self.stored_host_bytes else ""),
+            f"  collectives per step  {_size(self.collective_bytes)} ({self.collective_elements / 1e6:.2f}M "
+            f"elements; ZeRO theory {self.theory_elements / 1e6:.2f}M, ratio {ratio:.3f})",
+        ])
+
+
+def _size(nbytes: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes / 2**10:.2f} KiB"
+
+
+def _mesh_axes(devices: Optional[int], mesh_shape, config: ZeroConfig) -> Dict[str, int]:
+    if mesh_shape is None:
+        if devices is None:
+            raise ConfigError("plan_step needs devices=N or mesh_shape={'data': N, ...}")
+        axes = {config.data_axis: int(devices)}
+    elif isinstance(mesh_shape, Mapping):
+        axes = {str(k): int(v) for k, v in mesh_shape.items()}
+    else:
+        raise ConfigError(f"mesh_shape={mesh_shape!r} must be a mapping of axis sizes, e.g. "
+                          f"{{'{config.data_axis}': 4, 'model': 2}}")
+    total = math.prod(axes.values())
+    if devices is not None and total != devices:
+        raise ConfigError(f"mesh_shape {axes} holds {total} devices but devices={devices}; make them agree")
+    if config.data_axis not in axes:
+        raise ConfigError(f"mesh_shape {axes} has no {config.data_axis!r} axis for ZeRO to partition over")
+    return axes
+
+
+def _batch_spec(batch_shapes):
+    """Batch leaves -> (shape, dtype name) pairs: plain data that pickles anywhere."""
+    def one(x):
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            raise ConfigError(f"batch_shapes leaves must have .shape and .dtype (jax.ShapeDtypeStruct), got {x!r}")
+        return (tuple(int(s) for s in x.shape), np.dtype(x.dtype).name)
+    return jax.tree_util.tree_map(one, batch_shapes)
+
+
+def _is_shape_pair(x) -> bool:
+    return isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], str) and isinstance(x[0], tuple)
+
+
+def _plan_here(init_fn, loss_fn, batch_spec, axes: Dict[str, int], config: ZeroConfig, tx, param_specs,
+               has_aux: bool, subprocess_: bool) -> StepPlan:
+    """Compile on this process's first prod(axes) devices."""
+    import optax
+
+
+    init_fn, loss_fn = resolve(init_fn), resolve(loss_fn)
+    tx = optax.adamw(1e-3) if tx is None else resolve(tx)
+    mesh = make_mesh(tuple(axes.values()), tuple(axes.keys()))
+    shapes = jax.eval_shape(init_fn, jax.random.PRNGKey(0)) if callable(init_fn) else init_fn
+    t0 = time.perf_counter()
+    state = abstract_train_state(shapes, tx, mesh=mesh, config=config, param_specs=param_specs)
+    step = make_train_step(loss_fn, state, has_aux=has_aux)
+    batch = jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(s[0], np.dtype(s[1])), batch_spec,
+                                   is_leaf=_is_shape_pair)
+    lowered = step.lower(state, batch)
+    t1 = time.perf_counter()
+    compiled = lowered.compile()
+    t2 = time.perf_counter()
+    m = compiled.memory_analysis()
+    peak = PeakMemory(m.argument_size_in_bytes, m.output_size_in_bytes, m.temp_size_in_bytes,
+                      m.alias_size_in_bytes)
+    k = node_size(state.plan)
+    comm = collectives(compiled.as_text(), node_map(mesh, config.data_axis, k), k)
+    theory, label = theory_elements(state.plan, config.gradient_accumulation_steps)
+    comm.theory_elements, comm.theory_label = theory, label
+    stored = estimate(shapes, mesh, config, tx, param_specs=param_specs)
+    host = max((stored.max_bytes(k) for k in stored.kinds if k != "device"), default=0)
+    return StepPlan(
+        devices=math.prod(axes.values()), mesh_shape=dict(axes),
+        n_params=sum(lay.size for lay in state.plan.leaves),
+        peak_bytes=int(peak.peak), argument_bytes=int(peak.argument), output_bytes=int(peak.output),
+        temp_bytes=int(peak.temp), alias_bytes=int(peak.alias),
+        stored_bytes=int(stored.max_bytes("device")), stored_host_bytes=int(host),
+        collective_bytes=int(comm.total_bytes), collective_elements=int(comm.total_elements),
+        theory_elements=float(theory), collectives={k: tuple(int(x) for x in v) for k, v in comm.kinds.items()},
+        lower_seconds=t1 - t0, compile_seconds=t2 - t1, subprocess=subprocess_,
+        platform=mesh.devices.flat[0].platform, comm=comm,
+    )
+
+
+_CHILD_FAILED = """\
+plan_step's child process (simulating {n} CPU devices) failed with exit code {rc}.
+Its last lines of output:
+{tail}
+If the error is in your model, the same error shows in-process on a smaller device count;
+if it is an import error, the callables must be importable from the child (see zerojax.tools._planning)."""
+
+
+def _child_env(n: int) -> Dict[str, str]:
+    env = dict(os.environ)
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
+    env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={n}"])
+    env["JAX_PLATFORMS"] = "cpu"
+    # the child must import what the parent can: the same module search path
+    env["PYTHONPATH"] = os.pathsep.join([p or os.getcwd() for p in sys.path])
+    return env
+
+
+def _plan_in_child(request: dict, n: int, timeout: Optional[float]) -> StepPlan:
+    for name in ("init_fn", "loss_fn", "tx", "param_specs", "config"):
+        try:
+            pickle.dumps(request[name])
+        except Exception as e:  # pickle raises several types for closures and lambdas
+            raise ConfigError(
+                f"plan_step for {n} devices compiles in a child process, and {name}={request[name]!r} cannot be "
+                f"sent there ({type(e).__name__}: {e}). Pass a module-level function, a functools.partial of "
+                "one, a 'package.module:function' string, or zj.Ref('package.module:factory', *args) for "
+                "objects a factory builds (closures such as loss_fn(cfg), optax optimizers)."
+            ) from None
+    with tempfile.TemporaryDirectory(prefix="zerojax-plan-") as tmp:
+        req, out = os.path.join(tmp, "request.pkl"), os.path.join(tmp, "plan.pkl")
+        with open(req, "wb") as f:
+            pickle.dump(request, f)
+        code = "import sys; from zerojax.tools._planning import _child_main; _child_main(sys.argv[1], sys.argv[2])"
+        try:
+            proc = subprocess.run([sys.executable, "-c", code, req, out], env=_child_env(n), capture_output=True,
+                                  text=True, timeout=timeout)
+        except subprocess.TimeoutExpired as e:
+            tail = ((e.stderr or b"").decode() if isinstance(e.stderr, bytes) else (e.stderr or ""))[-_STDERR_TAIL:]
+            raise ZeroJaxError(f"plan_step's child process (simulating {n} CPU devices) ran past timeout={timeout}s."
+                               f"\n{tail}") from None
+        if proc.returncode != 0 or not os.path.exists(out):
+            tail = (proc.stderr or proc.stdout or "(no output)")[-_STDERR_TAIL:]
+            raise ZeroJaxError(_CHILD_FAILED.format(n=n, rc=proc.returncode, tail=tail))
+        with open(out, "rb") as f:
+            fields = pickle.load(f)
+    if isinstance(fields.get("comm"), dict):  # dataclasses.asdict flattened it for the trip
+        fields["comm"] = CommReport(**fields["comm"])
+    return StepPlan(**fields)
+
+
+def _child_main(request_path: str, out_path: str) -> None:
+    with open(request_path, "rb") as f:
+        r = pickle.load(f)
+    n = math.prod(r["axes"].values())
+    if len(jax.devices()) < n:  # pragma: no cover - the parent set the device count
+        raise ZeroJaxError(f"child has {len(jax.devices())} devices, needs {n}; XLA_FLAGS={os.environ.get('XLA_FLAGS')}")
+    plan = _plan_here(r["init_fn"], r["loss_fn"], r["batch"], r["axes"], r["config"], r["tx"], r["param_specs"],
+                      r["has_aux"], True)
+    with open(out_path, "wb") as f:
+        pickle.dump(dataclasses.asdict(plan), f)
+
+
+def plan_step(
+    init_fn: Union[Callable, str, Ref, Any],
+    loss_fn: Union[Callable, str, Ref],
+    batch_shapes,
+    devices: Optional[int] = None,
+    config: Optional[ZeroConfig] = None,
+    tx=None,
+    mesh_shape: Optional[Mapping[str, int]] = None,
+    *,
+    param_specs=None,
+    has_aux: bool = False,
+    timeout: Optional[float] = None,
+) -> StepPlan:
+    """Compile the ZeRO train step for ``devices`` devices from shapes and report what it needs.
+
+    ``init_fn(rng) -> params`` (or a params tree of ``jax.ShapeDtypeStruct``), ``loss_fn(params,
+    batch)``, ``batch_shapes`` a tree of ``jax.ShapeDtypeStruct`` of the *global* batch (leading
+    dimension devices x gradient_accumulation_steps x micro-batch). ``tx`` defaults to
+    ``optax.adamw(1e-3)``; ``mesh_shape`` such as ``{"data": 4, "model": 2}`` adds model axes
+    (default: one ``data`` axis of ``devices``). With fewer local devices than needed the step is
+    compiled in a child process on simulated CPU devices (see the module docstring for what
+    can be sent there); a failing child raises ``RuntimeError`` with the end of its stderr.
+
+        plan = zj.plan_step(init_params, loss_fn, {"x": jax.ShapeDtypeStruct((64, 128), jnp.float32)},
+                            devices=64, config=zj.ZeroConfig(stage=3, precision="bf16"))
+        plan.peak_bytes, plan.stored_bytes, plan.collective_bytes
+    """
+    config = ZeroConfig() if config is None else config
+    if not isinstance(config, ZeroConfig):
+        raise ConfigError(f"config={config!r} is not a ZeroConfig: pass zj.ZeroConfig(stage=..., precision=...)")
+    axes = _mesh_axes(devices, mesh_shape, config)
+    n = math.prod(axes.values())
+    batch = _batch_spec(batch_shapes)
+    if len(jax.devices()) >= n:
+        return _plan_here(init_fn, loss_fn, batch, axes, config, tx, param_specs, has_aux, False)
+    if not callable(init_fn) and not isinstance(init_fn, (str, Ref)):
+        init_fn = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(tuple(x.shape), np.dtype(x.dtype)), init_fn)
+    request = {"init_fn": init_fn, "loss_fn": loss_fn, "batch": batch, "axes": axes, "config": config, "tx": tx,
+               "param_specs": param_specs, "has_aux": has_aux}
+    return _plan_in_child(request, n, timeout)
+
+
+__all__ = ["Ref", "StepPlan", "gpt_sizes", "plan_step", "resolve"]

@@ -9,6 +9,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import zerojax as zj
+from zerojax._plan import path_str
 
 IN, HID, OUT = 6, 16, 3
 
@@ -74,7 +75,7 @@ def assert_close(got, want, tol=1e-5):
 
 
 def specs_by_path(tree):
-    return {zj.plan.path_str(p): s for p, s in jax.tree_util.tree_flatten_with_path(tree)[0]}
+    return {path_str(p): s for p, s in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
 def test_nnx_annotations_become_param_specs():

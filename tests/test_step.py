@@ -8,9 +8,17 @@ import pytest
 
 import zerojax as zj
 from tests import broken
-from tests.helpers import (OPTIMIZERS, batches, init_params, loss_fn, max_rel_err, mixed_reference_run,
-                           reference_run, reference_train)
-
+from tests.helpers import (
+    OPTIMIZERS,
+    batches,
+    init_params,
+    loss_fn,
+    max_rel_err,
+    mixed_reference_run,
+    reference_run,
+    reference_train,
+)
+from zerojax import _precision
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +115,7 @@ def check_mixed_precision(stage, precision, params, data, ref):
                               initial_scale_power=SCALE_POWER)
     scale = 2.0**SCALE_POWER if precision == "fp16" else 1.0
     assert column(history, "loss_scale") == [scale] * len(data) and not any(column(history, "skipped"))
-    assert jax.tree_util.tree_leaves(state.params)[0].dtype == zj.precision.compute_dtype(precision)
+    assert jax.tree_util.tree_leaves(state.params)[0].dtype == _precision.compute_dtype(precision)
     assert all(x.dtype == jnp.float32 for x in jax.tree_util.tree_leaves(state.master))
     err = max_rel_err(state.full_params(jnp.float32), ref.params)
     assert err < 1e-5, f"params differ from the casting reference by {err:.2e}"

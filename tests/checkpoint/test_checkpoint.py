@@ -1,12 +1,12 @@
 """Checkpoints: any mesh / stage / offload on restore, exact resume, crash safety, consolidation."""
-import os
 import json
+import os
 import shutil
 import signal
 import subprocess
 import sys
-import time
 import textwrap
+import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 
@@ -15,12 +15,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from tests._ckpt_worker import make_state
-from tests.helpers import batches, init_params, loss_fn
 from safetensors.numpy import load_file
 
 import zerojax as zj
-from zerojax.checkpoint import CheckpointError, CheckpointManager, consolidate, _manager as manager, _steps as steps
+from tests._ckpt_worker import make_state
+from tests.helpers import batches, init_params, loss_fn
+from zerojax._plan import path_str
+from zerojax.checkpoint import CheckpointError, CheckpointManager, consolidate
+from zerojax.checkpoint import _manager as manager
+from zerojax.checkpoint import _steps as steps
 from zerojax.checkpoint._integrity import digest
 
 WORKER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "_ckpt_worker.py")
@@ -362,8 +365,8 @@ def test_plain_orbax_reads_a_checkpoint_on_one_device_without_zerojax(saved, tmp
     got = dict(np.load(out))
     want = jax.device_get(state.full_params(jnp.float32))
     for path, x in jax.tree_util.tree_flatten_with_path(want)[0]:
-        np.testing.assert_array_equal(got["params/" + zj.plan.path_str(path)], x)
-    opt_paths = [zj.plan.path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(state.opt_state)[0]]
+        np.testing.assert_array_equal(got["params/" + path_str(path)], x)
+    opt_paths = [path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(state.opt_state)[0]]
     for path, x in zip(opt_paths, logical_opt(state)):
         np.testing.assert_array_equal(got["opt_state/" + path], x)
     assert len(got) == len(jax.tree_util.tree_leaves(want)) + len(opt_paths)

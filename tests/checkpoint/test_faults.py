@@ -10,10 +10,12 @@ import jax
 import numpy as np
 import pytest
 from etils import epath
-from tests._ckpt_worker import make_state
 
 import zerojax as zj
-from zerojax.checkpoint import CheckpointError, CheckpointManager, _format as ckpt_format, _integrity as integrity
+from tests._ckpt_worker import make_state
+from zerojax.checkpoint import CheckpointError, CheckpointManager
+from zerojax.checkpoint import _format as ckpt_format
+from zerojax.checkpoint import _integrity as integrity
 
 META = os.path.join("zerojax", "metadata")
 DATA = os.path.join("data_state", "metadata")
@@ -193,7 +195,7 @@ def test_flipped_digit_check_catches_a_restore_without_the_data_checksum(two_ste
     shutil.copytree(two_steps, directory)
     _damage(directory / "2" / DATA, "flip-digit")
     monkeypatch.setattr(integrity, "verify_data", lambda meta, data, path: data)
-    monkeypatch.setattr(zj.checkpoint.steps, "verify_data", lambda meta, data, path: data)
+    monkeypatch.setattr(zj.checkpoint._steps, "verify_data", lambda meta, data, path: data)
     assert zj.checkpoint.restore(directory, state)[1] == {"batch": 7}
 
 

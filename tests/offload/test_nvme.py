@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from zerojax._errors import ConfigError
 from zerojax.offload import _nvme as nvme
 from zerojax.offload._host_adam import HostAdamW
 from zerojax.offload._nvme import NvmeError, NvmeOptimizerStore
@@ -167,7 +168,7 @@ def test_not_enough_space(tmp_path, monkeypatch):
 
 def test_step_before_init_and_bad_sizes(tmp_path):
     with NvmeOptimizerStore(tmp_path, N, SUB, optimizer=make_opt()) as store:
-        with pytest.raises(RuntimeError, match="call init"):
+        with pytest.raises(ConfigError, match="call init"):
             store.step(np.zeros(N, np.float32), count=1)
         with pytest.raises(ValueError, match="expected a flat array of 1003"):
             store.init(np.zeros(N - 1, np.float32))

@@ -49,7 +49,7 @@ def test_subprocess_plans_more_devices_than_this_process_has():
 
 def test_failing_child_raises_with_its_stderr():
     batch = {"wrong_key": jax.ShapeDtypeStruct((16, TINY_GPT.seq_len + 1), jnp.int32)}
-    with pytest.raises(RuntimeError, match=r"(?s)child process.*16 CPU devices.*KeyError: 'tokens'"):
+    with pytest.raises(zj.ZeroJaxError, match=r"(?s)child process.*16 CPU devices.*KeyError: 'tokens'"):
         plan_step(functools.partial(gpt.init_params, TINY_GPT), Ref("zerojax.models.gpt:loss_fn", TINY_GPT),
                   batch, devices=16, config=zj.ZeroConfig(stage=3))
 

@@ -20,7 +20,7 @@ to its host, and the updates come back to device memory before the gather. On a 
 devices (whose memory is the host's) an Adam/AdamW that ``make_train_step``'s gated pass
 recognises runs instead in the native host kernel (:mod:`zerojax.kernels._native`, as fast as
 DeepSpeed's CPU Adam): one pass over each partition, the moments updated in place in host
-memory and the updates written to a buffer of their own (the gradients are only read). An optimizer
+memory and the updates written over the gradients. An optimizer
 whose update cannot be traced for the host (it mixes host values with constants it makes on
 the device: optax.adafactor, lamb, clip_by_global_norm) is updated on the device instead, with
 a ``HostUpdateWarning``; its state still lives in host memory between steps. NVMe offload,
@@ -205,7 +205,7 @@ def zero_optimizer(tx: optax.GradientTransformation, *, mesh=None,
     def native_update(plan: ZeroPlan, recipe, grads, state: ZeroOptState, params):
         """The offloaded Adam update in the native kernel: one pass over each device's partition of
         the grads, params and host-resident moments (updated in place when donated), the updates
-        in a buffer of their own. The counts and hyperparameters (schedules) advance as optax's."""
+        written over the grads. The counts and hyperparameters (schedules) advance as optax's."""
         k = _lift_rank(plan)
         leaves, treedef = jax.tree_util.tree_flatten(state.inner)
         lowered = [x.reshape(x.shape[k:]) for x in leaves]

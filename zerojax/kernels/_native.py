@@ -166,10 +166,9 @@ def host_adamw(scalars, params, grads, mu, nu, out16=None, *, updates: bool, thr
 
     ``updates=False``: returns ``(new_params, mu, nu, out16)``, the params written over
     ``params``; ``updates=True``: returns ``(updates, mu, nu, None)`` in optax's sign
-    convention (``new params = params + updates``), in a buffer of their own. The params (in
-    params mode) and the moments are aliased to the operands they replace, so a donated operand
-    is updated in place (XLA copies one that is not donated); the gradients are only read, so
-    whether the caller donates them costs nothing. Leaves: fp32 params and moments, fp32 or bfloat16 grads of the
+    convention (``new params = params + updates``), written over ``grads``. Each result is
+    aliased to the operand it replaces, so a donated operand is updated in place (XLA copies
+    one that is not donated). Leaves: fp32 params and moments, fp32 or bfloat16 grads of the
     same size each; ``out16`` (params mode only): bfloat16 leaves receiving the new params.
     """
     why = _load()
@@ -188,12 +187,15 @@ def host_adamw(scalars, params, grads, mu, nu, out16=None, *, updates: bool, thr
         operands += leaf
         outs = [params[k] if not updates else grads[k], mu[k], nu[k]] + ([out16[k]] if with16 else [])
         results += [jax.ShapeDtypeStruct(x.shape, x.dtype if i else jnp.float32) for i, x in enumerate(outs)]
-        if not updates:
-            aliases[base] = per_ret * k
+        aliases[base + (1 if updates else 0)] = per_ret * k
         aliases[base + 2] = per_ret * k + 1
         aliases[base + 3] = per_ret * k + 2
         if with16:
             aliases[base + 4] = per_ret * k + 3
+    if updates:  # u is written over g: g must be fp32 there
+        bad = [k for k in range(n) if grads[k].dtype != jnp.float32]
+        if bad:
+            raise ConfigError(f"host_adamw: updates mode needs fp32 grads (leaves {bad} are not)")
     call = jax.ffi.ffi_call(TARGET, results, input_output_aliases=aliases, vmap_method="sequential")
     out = call(*operands, leaves=np.int64(n), updates=np.int64(bool(updates)), out16=np.int64(with16),
                threads=np.int64(threads or default_threads()))

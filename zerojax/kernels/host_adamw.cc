@@ -1,10 +1,10 @@
 // AdamW over host buffers in one pass, split across threads: an XLA FFI handler for the CPU.
 //
 // Operands: scalars (f32[10]), then for each of `leaves` leaves: p, g, m, v, and o16 when
-// `out16` is set.  Results per leaf: first (p' in place, or the optax updates u in a buffer of their own),
+// `out16` is set.  Results per leaf: first (p' in place, or the optax updates u aliased to g),
 // m', v', and o16' when `out16` is set.  The Python side (zerojax/kernels/native.py) aliases
-// p' (params mode), m', v' and o16' to the operands they replace, so the pass reads p, g, m, v
-// once and writes each of those over the memory it came from; g is only read.
+// every result to the operand it replaces, so the pass reads p, g, m, v once and writes each
+// result over the memory it came from.
 //
 // scalars: b1, c1 = (1 - b1) * s, b2, c2 = (1 - b2) * s^2, eps_hat = eps * sqrt(bc2),
 //          step = lr * sqrt(bc2) / bc1, decay = 1 - lr * wd, lr_wd = lr * wd,
@@ -173,7 +173,7 @@ ffi::Error AdamWImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t l
     total += n;
   }
   if (!apply) {
-    if (updates) {  // the updates of a skipped step are zeros
+    if (updates) {  // the updates of a skipped step are zeros (they are written over g)
       for (const Leaf& L : ls) std::memset(L.out, 0, sizeof(float) * L.n);
     }
     return ffi::Error::Success();

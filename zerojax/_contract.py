@@ -22,7 +22,7 @@ from zerojax._errors import BatchError, LossScaleError, NonFiniteError, StateErr
 from zerojax._plan import ZeroPlan, path_str
 from zerojax._state import TrainState
 
-__all__ = ["METRIC_KEYS", "NON_FINITE", "OK", "SCALE_AT_MIN", "Step", "StepBase", "check_batch", "check_state",
+__all__ = ["JittedStep", "METRIC_KEYS", "NON_FINITE", "OK", "SCALE_AT_MIN", "Step", "StepBase", "check_batch", "check_state",
            "raise_for_error"]
 
 # the error codes a step reports in metrics["error"]
@@ -95,6 +95,27 @@ class StepBase:
     def __exit__(self, *exc) -> None:
         self.close()
 
+
+
+class JittedStep(StepBase):
+    """A step that is one jitted program (the on-device engine, the pipeline engine): each call
+    checks the state and the batch against the plan, runs the program (``state`` may be donated:
+    read only the returned state) and raises on the host what the step reported."""
+
+    def __init__(self, jitted, plan: ZeroPlan, check_errors: bool = True):
+        self.jitted = jitted
+        self.plan = plan
+        self.check_errors = check_errors
+
+    def lower(self, state, batch):
+        self._check(state, batch)
+        return self.jitted.lower(state, batch)
+
+    def __call__(self, state: TrainState, batch):
+        self._check(state, batch)
+        new_state, metrics = self.jitted(state, batch)
+        self._report(new_state, metrics)
+        return new_state, metrics
 
 
 def check_batch(plan: ZeroPlan, batch) -> None:

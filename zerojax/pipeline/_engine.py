@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zerojax._contract import METRIC_KEYS, StepBase
+from zerojax._contract import METRIC_KEYS, JittedStep
 from zerojax._errors import ConfigError, StepOptionError
 from zerojax._low_precision import update_key
 from zerojax.pipeline._grads import pipeline_grads_fn
@@ -100,25 +100,13 @@ def _step_fn(model: PipelineModel, plan: ZeroPlan, tx):
     return train_step, schedule
 
 
-class PipelineStep(StepBase):
+class PipelineStep(JittedStep):
     """The jitted pipeline step (:class:`zerojax._contract.Step`): ``state, metrics = step(state, batch)``.
     ``schedule`` is the table it runs (:class:`zerojax.pipeline._schedule.Schedule`)."""
 
     def __init__(self, jitted, plan: ZeroPlan, schedule, check_errors: bool = True):
-        self.jitted = jitted
-        self.plan = plan
+        super().__init__(jitted, plan, check_errors)
         self.schedule = schedule
-        self.check_errors = check_errors
-
-    def lower(self, state, batch):
-        self._check(state, batch)
-        return self.jitted.lower(state, batch)
-
-    def __call__(self, state: TrainState, batch):
-        self._check(state, batch)
-        new_state, metrics = self.jitted(state, batch)
-        self._report(new_state, metrics)
-        return new_state, metrics
 
 
 def make_pipeline_step(model: PipelineModel, state: TrainState, *, donate: bool = True, check_errors: bool = True,

@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 import zerojax._placement as placement
 from zerojax._compat import compute_on_host
-from zerojax._contract import METRIC_KEYS, StepBase
+from zerojax._contract import METRIC_KEYS, JittedStep
 from zerojax.kernels._fused_update import fused_adamw_update
 from zerojax._low_precision import update_key
 from zerojax.offload._host_update import host_apply_fn, native_host_apply_fn
@@ -146,7 +146,7 @@ def _update_fn(loss_fn: Callable, plan: ZeroPlan, tx, has_aux: bool, fused_adam:
     return train_step
 
 
-class TrainStep(StepBase):
+class TrainStep(JittedStep):
     """The jitted on-device step (stages 0–3, optimizer offload to host memory, fused Adam):
     ``state, metrics = step(state, batch)``; ``step.lower(state, batch)``.
 
@@ -155,21 +155,6 @@ class TrainStep(StepBase):
     ``NonFiniteError`` (fp32) and ``LossScaleError`` (fp16 overflow at the minimum scale);
     the exception's ``.state`` holds the returned (unchanged) state, so nothing is lost.
     """
-
-    def __init__(self, jitted, plan: ZeroPlan, check_errors: bool = True):
-        self.jitted = jitted
-        self.plan = plan
-        self.check_errors = check_errors
-
-    def lower(self, state, batch):
-        self._check(state, batch)
-        return self.jitted.lower(state, batch)
-
-    def __call__(self, state: TrainState, batch):
-        self._check(state, batch)
-        new_state, metrics = self.jitted(state, batch)  # ``state`` is donated: read only new_state now
-        self._report(new_state, metrics)
-        return new_state, metrics
 
 
 # XLA options that let collectives run asynchronously and overlap the compute around them

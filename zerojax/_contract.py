@@ -22,7 +22,8 @@ from zerojax._errors import BatchError, LossScaleError, NonFiniteError, StateErr
 from zerojax._plan import ZeroPlan, path_str
 from zerojax._state import TrainState
 
-__all__ = ["JittedStep", "METRIC_KEYS", "NON_FINITE", "OK", "SCALE_AT_MIN", "Step", "StepBase", "check_batch", "check_state",
+__all__ = ["JittedStep", "METRIC_KEYS", "NON_FINITE", "OK", "SCALE_AT_MIN", "Step", "StepBase", "StepWrapper",
+           "check_batch", "check_state",
            "raise_for_error"]
 
 # the error codes a step reports in metrics["error"]
@@ -116,6 +117,31 @@ class JittedStep(StepBase):
         new_state, metrics = self.jitted(state, batch)
         self._report(new_state, metrics)
         return new_state, metrics
+
+
+class StepWrapper:
+    """A step around another (``self.step``): ``finish`` and ``close`` go to it, it works as a
+    context manager, and every attribute it does not define is the wrapped step's (``.plan``,
+    ``.jitted``, ZenFlow's ``.end_epoch()``, NVMe's ``.master()``)."""
+
+    step: Step
+
+    def finish(self, state: TrainState) -> TrainState:
+        return self.step.finish(state)
+
+    def close(self) -> None:
+        self.step.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __getattr__(self, name: str):
+        if name == "step":  # not set yet (unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.step, name)
 
 
 def check_batch(plan: ZeroPlan, batch) -> None:

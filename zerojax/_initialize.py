@@ -27,7 +27,7 @@ import optax
 from zerojax.config import ZeroConfig
 from zerojax.config._deepspeed import optimizer_from_config, resolve_batch
 from zerojax.config._schedules import from_deepspeed as schedule_from_deepspeed
-from zerojax._contract import Step
+from zerojax._contract import Step, StepWrapper
 from zerojax._errors import ConfigError
 from zerojax._autotp import mesh_for
 from zerojax.monitor import Monitors, monitors_for
@@ -45,7 +45,7 @@ _NO_OPTIMIZER = (
 )
 
 
-class GlobalBatchStep:
+class GlobalBatchStep(StepWrapper):
     """Any :class:`~zerojax._contract.Step` (whatever path the config chose) that also checks
     each batch holds ``train_batch_size`` samples, the global batch the config describes,
     before running. Every other attribute is the wrapped step's (``.plan``, ``.jitted`` on the
@@ -71,22 +71,6 @@ class GlobalBatchStep:
         check_global_batch(self.plan, self.train_batch_size, batch)
         return self.step.lower(state, batch)
 
-    def finish(self, state: TrainState) -> TrainState:
-        return self.step.finish(state)
-
-    def close(self) -> None:
-        self.step.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __getattr__(self, name: str):
-        if name == "step":  # not set yet (unpickling): no recursion
-            raise AttributeError(name)
-        return getattr(self.step, name)
 
 
 def check_global_batch(plan: ZeroPlan, train_batch_size: Optional[int], batch) -> None:

@@ -27,9 +27,8 @@ def _need(ok: bool, what: str, fix: str) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
-class CSVMonitor:
-    """One CSV file per tag under ``output_path/job_name/`` (DeepSpeed's ``csv_monitor``):
-    ``Train_Samples_train_loss.csv`` with the rows ``step,train_loss`` (step = samples seen)."""
+class _LogDirMonitor:
+    """A writer of files under DeepSpeed's ``output_path/job_name/``."""
 
     output_path: str = ""
     job_name: str = JOB_NAME
@@ -40,16 +39,15 @@ class CSVMonitor:
 
 
 @dataclasses.dataclass(frozen=True)
-class TensorBoardMonitor:
+class CSVMonitor(_LogDirMonitor):
+    """One CSV file per tag under ``output_path/job_name/`` (DeepSpeed's ``csv_monitor``):
+    ``Train_Samples_train_loss.csv`` with the rows ``step,train_loss`` (step = samples seen)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorBoardMonitor(_LogDirMonitor):
     """A TensorBoard event file under ``output_path/job_name/`` (DeepSpeed's ``tensorboard``),
     written with tensorboardX (``pip install 'zerojax[tensorboard]'``)."""
-
-    output_path: str = ""
-    job_name: str = JOB_NAME
-
-    @property
-    def log_dir(self) -> str:
-        return os.path.join(self.output_path, self.job_name)
 
 
 @dataclasses.dataclass(frozen=True)

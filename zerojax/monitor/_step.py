@@ -28,7 +28,7 @@ from typing import Optional
 import jax
 import numpy as np
 
-from zerojax._contract import Step
+from zerojax._contract import Step, StepWrapper
 from zerojax._errors import ConfigError
 from zerojax.monitor._config import Monitors
 from zerojax.monitor._reports import FlopsProfile, comms_summary
@@ -57,7 +57,7 @@ def _samples_in(batch) -> int:
     return int(leaves[0].shape[0]) if leaves and getattr(leaves[0], "shape", ()) else 0
 
 
-class MonitoredStep:
+class MonitoredStep(StepWrapper):
     """``step`` (any :class:`~zerojax._contract.Step`) with ``monitors``; every other attribute
     is the wrapped step's. It implements the Step contract itself.
 
@@ -155,16 +155,6 @@ class MonitoredStep:
             self.writers = []
             self.step.close()
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __getattr__(self, name: str):
-        if name == "step":  # not set yet (unpickling): no recursion
-            raise AttributeError(name)
-        return getattr(self.step, name)
 
     # ----------------------------------------------------------------- writing
     def _flush(self) -> None:

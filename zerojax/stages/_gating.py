@@ -13,6 +13,7 @@ import numpy as np
 import optax
 
 from zerojax._compat import same_memory_space
+from zerojax.update._recognize import with_node as replace_node  # one home for the chain's first state
 
 __all__ = ["agrees_with_optax", "find_node", "per_transformation", "replace_node", "scalar_step",
            "select_scalars", "unzip_leaves", "zero_unless"]
@@ -36,13 +37,6 @@ def find_node(opt_state, cls, hp_keys):
             return inner[0]
         return None
     return opt_state[0] if _chain_of(opt_state, cls) else None
-
-
-def replace_node(opt_state, node):
-    """``opt_state`` with the state of its chain's first transformation replaced by ``node``."""
-    if getattr(opt_state, "hyperparams", None) is not None:
-        return opt_state._replace(inner_state=(node,) + tuple(opt_state.inner_state[1:]))
-    return (node,) + tuple(opt_state[1:])
 
 
 def scalar_step(tx, opt_state, node, moments):

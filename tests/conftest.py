@@ -35,6 +35,57 @@ def pytest_sessionfinish(session, exitstatus):
 # keeps, e.g., every stage's accumulation-and-clipping parity, the config reader's own tests, the
 # launcher's failure handling on plain scripts, plan_step in process).
 SLOW = {
+    # the quick tier's heaviest calls on an idle machine (--durations of `-m "not slow"`)
+    "tests/stages/test_zeropp.py::test_compiled_collectives_follow_each_setting": "52 s, one compile per setting",
+    "tests/stages/test_collectives.py::test_tied_table_larger_than_a_fetch_is_never_whole_and_matches_plain_sgd":
+        "38 s and 32 s",
+    "tests/stages/test_zeropp.py::test_gpt_bf16_accumulation_all_three_tracks_stage3": "29 s and 27 s",
+    "tests/test_plan.py::test_model_parallel_annotations_are_kept_and_training_matches":
+        "8 s; test_flax_support keeps a model axis",
+    "tests/test_initialize.py::test_example_configs_train_in_mixed_precision":
+        "7 s a case; other initialize tests train from files",
+    "tests/tools/test_planning.py::test_cli_plan_step_prints_the_plan":
+        "7 s, child process; plan_step in process stays",
+    "tests/stages/test_collectives.py::test_peak_memory_is_the_compiled_analysis":
+        "6 s; test_planning checks compiled peaks",
+    "tests/stages/test_zeropp.py::test_the_step_gathers_weights_only_for_their_uses":
+        "6 s; qwZ's gradient test stays",
+    "tests/test_initialize.py::test_mixed_precision_config_check_catches_an_update_without_master":
+        "6 s a case",
+    "tests/offload/test_zenflow.py::test_update_every_step_without_overlap_equals_plain_offloaded_adamw":
+        "6 s; the numpy-reference test stays",
+    "tests/stages/test_zeropp.py::test_offload_changes_nothing":
+        "6 s",
+    "tests/tools/test_planning.py::test_failing_child_raises_with_its_stderr":
+        "5 s, child process",
+    "tests/stages/test_quantize.py::test_leading_dims_are_kept_and_rows_independent":
+        "5 s; the other quantizer tests stay",
+    "tests/stages/test_collectives.py::test_scan_model_gathers_inside_the_layer_loop":
+        "5 s a case",
+    "tests/stages/test_zeropp.py::test_checkpoint_round_trip_holds_exact_values_and_resumes_bitwise":
+        "5 s; checkpoint round trips stay",
+    "tests/test_optim.py::test_optimizer_that_cannot_run_on_the_host_is_updated_on_the_device":
+        "4 s",
+    "tests/test_low_precision.py::test_checkpoint_round_trips_between_state_precisions":
+        "4 s a case",
+    "tests/stages/test_zeropp.py::test_all_three_within_the_bounds_with_accumulation":
+        "4 s",
+    "tests/stages/test_reuse_distance.py::test_numerics_match_plain_optax_whether_reused_or_gathered_again":
+        "4 s a case",
+    "tests/stages/test_collectives.py::test_lookup_moves_rows_not_the_table_when_fewer_rows_are_read":
+        "3 s a case",
+    "tests/stages/test_collectives.py::test_a_matmul_param_is_sliced_above_max_live_or_eight_prefetch_buckets":
+        "3 s",
+    "tests/stages/test_reduce_scatter.py::test_compiled_step_all_reduces_instead_of_reduce_scattering":
+        "2.5 s a case; the numerics twin stays",
+    "tests/models/test_classifier_task.py::test_pretrained_backbone_is_cached":
+        "4 s",
+    "tests/test_initialize.py::test_example_config_check_catches_an_inverted_clip_coefficient":
+        "2.5 s",
+    "tests/offload/test_offload_placement.py::test_bf16_host_update_tracks_on_device_update":
+        "3 s",
+    "tests/offload/test_offload_ratio.py::test_initialize_from_a_deepspeed_dict_with_ratio_trains":
+        "2.6 s",
     # a fresh JAX process each, compiling every contender (199 s and 171 s before their smoke modes
     # shared compiled contenders)
     "tests/test_benchmarks.py::test_gpu_check_smoke_runs_every_section": "subprocess, many compiles",
@@ -70,7 +121,7 @@ SLOW = {
     # from --durations of the full suite (seconds on a machine loaded 5-10x: a third to a tenth idle)
     "tests/stages/test_collectives.py::test_bucket_sizes_set_the_number_of_collectives": "401 s, 2 cases",
     "tests/stages/test_collectives.py::test_reduce_once_per_step_in_stages_0_and_1_but_per_micro_batch_in_2": "263 s",
-    "tests/stages/test_collectives.py::test_collective_kinds_and_volume_per_stage": ("97 s, 4 stages", "3"),
+    "tests/stages/test_collectives.py::test_collective_kinds_and_volume_per_stage": ("97 s, 4 stages", "1"),
     "tests/stages/test_collectives.py::test_stage3_gathers_per_micro_batch_and_again_for_backward_beyond_the_distance":
         ("142 s, 2 cases", "keep"),
     "tests/stages/test_collectives.py::test_stage3_issues_the_prefetched_gathers_as_one_collective": "56 s",
@@ -98,14 +149,25 @@ SLOW = {
 }
 
 
+# the directories whose parametrised tests run every case in the quick tier too
+QUICK_EVERY_CASE = ("tests/config/",)
+
+
 def pytest_collection_modifyitems(config, items):
     import pytest
 
     seen = set()
+    first_case = set()
     for item in items:
         name, _, param = item.nodeid.partition("[")
         entry = SLOW.get(name)
         if entry is None:
+            # a parametrised test runs its first case in the quick tier and the rest in the full
+            # run, except the config reader's (pure Python, milliseconds a case)
+            if param and not name.startswith(QUICK_EVERY_CASE):
+                if name in first_case:
+                    item.add_marker(pytest.mark.slow)
+                first_case.add(name)
             continue
         seen.add(name)
         # ("why", "case id"): every case is slow but that one, which keeps the test in the quick tier

@@ -51,9 +51,17 @@ def _check_extra_args(state: TrainState) -> None:
     if not takes_value(tx):
         return
     plan = state.plan
-    params = plan.treedef.unflatten([jax.ShapeDtypeStruct(lay.shape, jnp.float32) for lay in plan.leaves])
-    try:
+
+    def probe(params):
         jax.eval_shape(lambda p: tx.update(p, tx.init(p), p, value=jnp.float32(0.0)), params)
+
+    try:  # a one-leaf tree first: tracing the update over the whole model costs a trace of it
+        probe({"x": jax.ShapeDtypeStruct((6,), jnp.float32)})
+        return
+    except Exception:  # noqa: BLE001 - a mask or a partition may need the model's own tree
+        pass
+    try:
+        probe(plan.treedef.unflatten([jax.ShapeDtypeStruct(lay.shape, jnp.float32) for lay in plan.leaves]))
     except Exception as e:  # noqa: BLE001 - whatever it lacks, the step cannot give it
         raise OptimizerError(
             f"this optimizer ({describe(tx)}) needs more than the loss in update(): calling it with "

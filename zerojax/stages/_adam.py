@@ -111,19 +111,21 @@ def _probes(shape=(6,)):
 
 
 def _verified(recipe: AdamRecipe, tx) -> bool:
+    node = adam_node(jax.eval_shape(tx.init, {"x": jax.ShapeDtypeStruct((6,), jnp.float32)}))
+    if node is None or node.mu["x"].dtype != jnp.float32 or node.nu["x"].dtype != jnp.float32:
+        return False
+    init = jax.jit(tx.init)
+    cases = []
     for count, p, g, m, v in _probes():
         params, grads = {"x": p}, {"x": g}
-        state = tx.init(params)
+        state = init(params)
         node = adam_node(state)
-        if node is None or node.mu["x"].dtype != jnp.float32 or node.nu["x"].dtype != jnp.float32:
-            return False
         state = replace_node(state, node._replace(count=jnp.asarray(count, node.count.dtype), mu={"x": m},
                                                    nu={"x": v}))
         if hasattr(state, "count") and hasattr(state, "hyperparams"):
             state = state._replace(count=jnp.asarray(count, state.count.dtype))
-        if not agrees_with_optax(tx, lambda *a: gated_adam(recipe, tx, *a), params, grads, state):
-            return False
-    return True
+        cases.append((params, grads, state))
+    return agrees_with_optax(tx, lambda *a: gated_adam(recipe, tx, *a), cases)
 
 
 @per_transformation
@@ -132,7 +134,8 @@ def adam_recipe(tx) -> Optional[AdamRecipe]:
     finds it) that this pass reproduces exactly (checked on probes), else None (the caller keeps
     the general path). Remembered per transformation."""
     opt = recognize(tx)
-    if opt is None or opt.kind != "adam" or adam_node(tx.init({"x": jnp.zeros((6,), jnp.float32)})) is None:
+    if opt is None or opt.kind != "adam" or adam_node(
+            jax.eval_shape(tx.init, {"x": jax.ShapeDtypeStruct((6,), jnp.float32)})) is None:
         return None
     recipe = AdamRecipe(opt.constants)
     return recipe if _verified(recipe, tx) else None

@@ -66,19 +66,26 @@ def unzip_leaves(like, out, i):
     return jax.tree_util.tree_map(lambda _, o: o[i], like, out)
 
 
-def agrees_with_optax(tx, gated, params, grads, state) -> bool:
+def agrees_with_optax(tx, gated, cases) -> bool:
     """Whether ``gated(params, grads, state, True)`` gives the params and state (every leaf) that
-    ``tx.update`` and ``optax.apply_updates`` give, to 1e-6."""
-    u, want = tx.update(grads, state, params)
-    got_p, got = gated(params, grads, state, jnp.asarray(True))
-    pairs = list(zip(jax.tree_util.tree_leaves((optax.apply_updates(params, u), want)),
-                     jax.tree_util.tree_leaves((got_p, got))))
-    if len(pairs) != len(jax.tree_util.tree_leaves((params, want))):
-        return False
-    for a, b in pairs:
-        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-        if a.shape != b.shape or not np.allclose(a, b, rtol=1e-6, atol=0):
+    ``tx.update`` and ``optax.apply_updates`` give, to 1e-6, for every ``(params, grads, state)``
+    of ``cases`` (one structure and shape: both sides run in one program, compiled once)."""
+
+    @jax.jit
+    def both(params, grads, state):
+        u, want = tx.update(grads, state, params)
+        got_p, got = gated(params, grads, state, jnp.asarray(True))
+        return (jax.tree_util.tree_leaves((optax.apply_updates(params, u), want)),
+                jax.tree_util.tree_leaves((got_p, got)))
+
+    for params, grads, state in cases:
+        want, got = both(params, grads, state)
+        if len(want) != len(got):
             return False
+        for a, b in zip(want, got):
+            a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+            if a.shape != b.shape or not np.allclose(a, b, rtol=1e-6, atol=0):
+                return False
     return True
 
 
@@ -93,4 +100,5 @@ def per_transformation(fn):
         except TypeError:  # unhashable transformation
             return fn(tx)
 
+    remembered.cache_clear = cached.cache_clear
     return remembered

@@ -66,18 +66,19 @@ def gated_momentum(recipe: MomentumRecipe, tx, params, grads, opt_state, apply):
 
 
 def _verified(recipe: MomentumRecipe, tx) -> bool:
+    node = _node(jax.eval_shape(tx.init, {"x": jax.ShapeDtypeStruct((6,), jnp.float32)}))
+    if node is None or node.trace["x"].dtype != jnp.float32:
+        return False
+    init = jax.jit(tx.init)
     rng = np.random.default_rng(0)
+    cases = []
     for scale in (1.0, 1e-10):  # ordinary, and gradients that vanish next to the trace
         params = {"x": jnp.asarray(rng.normal(size=6) * 1e-5, jnp.float32)}
         grads = {"x": jnp.asarray(rng.normal(size=6) * scale, jnp.float32)}
-        state = tx.init(params)
-        node = _node(state)
-        if node is None or node.trace["x"].dtype != jnp.float32:
-            return False
-        state = replace_node(state, node._replace(trace={"x": jnp.asarray(rng.normal(size=6), jnp.float32)}))
-        if not agrees_with_optax(tx, lambda *a: gated_momentum(recipe, tx, *a), params, grads, state):
-            return False
-    return True
+        state = init(params)
+        state = replace_node(state, _node(state)._replace(trace={"x": jnp.asarray(rng.normal(size=6), jnp.float32)}))
+        cases.append((params, grads, state))
+    return agrees_with_optax(tx, lambda *a: gated_momentum(recipe, tx, *a), cases)
 
 
 @per_transformation
@@ -87,7 +88,7 @@ def momentum_recipe(tx) -> Optional[MomentumRecipe]:
     opt = recognize(tx)
     if opt is None or opt.kind != "sgd" or opt.nesterov or not opt.slots:
         return None
-    if _node(tx.init({"x": jnp.zeros((6,), jnp.float32)})) is None:
+    if _node(jax.eval_shape(tx.init, {"x": jax.ShapeDtypeStruct((6,), jnp.float32)})) is None:
         return None
     recipe = MomentumRecipe(opt.constants)
     return recipe if _verified(recipe, tx) else None

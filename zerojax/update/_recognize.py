@@ -79,7 +79,7 @@ def rule(opt: Optimizer, hp: dict, count, p, g, slots, xp=jnp):
         v = (1 - b2) * (g * g) + b2 * v
         n = xp.asarray(count, xp.int32)  # a float setting to the power of an int32 count, as optax
         u = (m / (1 - b1 ** n).astype(m.dtype)) / (xp.sqrt(v / (1 - b2 ** n).astype(v.dtype) + eps_root) + eps)
-        if wd:
+        if _nonzero(wd):
             u = u + wd * p
         return p + (-lr) * u, (m, v)
     if opt.kind == "lion":
@@ -87,7 +87,7 @@ def rule(opt: Optimizer, hp: dict, count, p, g, slots, xp=jnp):
         (m,) = slots
         u = xp.sign((1 - b1) * g + b1 * m)
         m = (1 - b2) * g + b2 * m
-        if wd:
+        if _nonzero(wd):
             u = u + wd * p
         return p + (-lr) * u, (m,)
     if not slots:  # plain SGD
@@ -97,6 +97,11 @@ def rule(opt: Optimizer, hp: dict, count, p, g, slots, xp=jnp):
     t = g + mom * t
     u = g + mom * t if opt.nesterov else t
     return p + (-lr) * u, (t,)
+
+
+def _nonzero(x) -> bool:
+    # a traced setting (injected, inside a jitted check) may be anything: optax adds it
+    return isinstance(x, jax.core.Tracer) or bool(x)
 
 
 # ------------------------------------------------------------------ finding the node
@@ -204,32 +209,53 @@ class StepSettings:
 # ------------------------------------------------------------------ probing constant settings
 
 
+def _first_update(tx, g, p):
+    """``tx.update(g, tx.init(p), p)``, each jitted (one program each, not one per operation);
+    the initial state is an input of the update, so nothing in it is folded at compile time."""
+    return jax.jit(tx.update)(g, jax.jit(tx.init)(p), p)
+
+
 def _probe_adam(tx) -> Optional[dict]:
     t, big = 1e-8, 1e3
-    p = {"x": jnp.array([0.0, big, 0.0], jnp.float32)}
-    g = {"x": jnp.array([1.0, 1.0, t], jnp.float32)}
-    u, after = tx.update(g, tx.init(p), p)
+    # [0]: the learning rate; [1]: against [0], the weight decay; [2]: against [0], eps;
+    # [3]: a zero gradient, so the decay alone (when eps > 0 keeps the Adam term at 0)
+    p = {"x": jnp.array([0.0, big, 0.0, big], jnp.float32)}
+    g = {"x": jnp.array([1.0, 1.0, t, 0.0], jnp.float32)}
+    u, after = _first_update(tx, g, p)
     node = node_of(after, "adam")
     b1 = 1.0 - float(node.mu["x"][0])
     b2 = 1.0 - float(node.nu["x"][0])
-    one = jnp.int32(1)  # the bias corrections as optax computes them, in fp32
-    mhat = np.asarray(node.mu["x"] / (1 - b1 ** one).astype(jnp.float32), np.float64)
-    root = np.sqrt(np.asarray(node.nu["x"] / (1 - b2 ** one).astype(jnp.float32), np.float64))
+    one = np.float32(1)  # the bias corrections at count 1 as optax computes them, in fp32
+    mhat = np.asarray(np.asarray(node.mu["x"]) / (one - np.float32(b1)), np.float64)
+    root = np.sqrt(np.asarray(np.asarray(node.nu["x"]) / (one - np.float32(b2)), np.float64))
     u = np.asarray(u["x"], np.float64)
-    if not np.all(np.isfinite(u)) or u[0] == 0 or u[2] == 0:
+    if not np.all(np.isfinite(u[:3])) or u[0] == 0 or u[2] == 0:
         return None
     r = u[2] / u[0]
     eps = (mhat[2] * root[0] - r * mhat[0] * root[2]) / (r * mhat[0] - mhat[2])
     lr = -u[0] / (mhat[0] / (root[0] + eps))
-    wd = (-u[1] / lr - mhat[1] / (root[1] + eps)) / big
+    if np.isfinite(u[3]):  # exact to an ulp or two: the decay is all of this update
+        wd = -u[3] / lr / big
+    else:  # eps = 0: the zero gradient's Adam term is 0/0; the decay next to the Adam term
+        wd = (-u[1] / lr - mhat[1] / (root[1] + eps)) / big
     return {"learning_rate": _snap(lr), "b1": b1, "b2": b2, "eps": _snap(eps), "eps_root": 0.0,
             "weight_decay": _snap(wd)}
 
 
-def _snap(x: float) -> float:
-    # optax multiplies by these as fp32: the nearest fp32 is the user's number when the probe is
-    # within half an ulp of it (a weight decay that is not there reads as ~1e-19)
-    return 0.0 if abs(x) < 1e-15 else float(np.float32(x))
+def _snap(x: float, ulps: int = 4) -> float:
+    """The fp32 setting a probe reads as ``x``: optax multiplies by these as fp32, and a probe's
+    own rounding leaves it a few ulps off, so of the fp32 values within ``ulps`` of ``x`` the
+    one with the shortest decimal form (the number a user writes: 0.1, 3e-4), nearest on a tie
+    (a weight decay that is not there reads as ~1e-19)."""
+    if abs(x) < 1e-15:
+        return 0.0
+    near = np.float32(x)
+    cands = [near]
+    up, down = near, near
+    for _ in range(ulps):
+        up, down = np.nextafter(up, np.float32(np.inf)), np.nextafter(down, np.float32(-np.inf))
+        cands += [up, down]
+    return float(min(cands, key=lambda c: (len(str(c).lstrip("-")), abs(float(c) - x))))
 
 
 def _probe_sgd(tx) -> Optional[dict]:
@@ -303,32 +329,44 @@ def _close(a, b) -> bool:
 
 
 def _verified(opt: Optimizer, tx) -> bool:
+    """``tx``'s update against :func:`rule` on the probe values. Both run in one jitted program
+    (the probes share its shapes): probing compiles once, not once per operation."""
     slots = opt.slots
-    for count, (p, g, *moments) in _probe_values(opt.kind, slots):
+    shape = jax.eval_shape(tx.init, {"x": jax.ShapeDtypeStruct((6,), jnp.float32)})
+    node = node_of(shape, opt.kind) if slots else None
+    if slots and (node is None or any(getattr(node, s)["x"].dtype != jnp.float32 for s in slots)):
+        return False
+    set_count = bool(slots) and "count" in node._fields
+    injected_count = getattr(shape, "hyperparams", None) is not None and "count" in shape._fields
+
+    @jax.jit
+    def both(count, p, g, moments):
         state = tx.init({"x": p})
-        node = node_of(state, opt.kind) if slots else None
         if slots:
-            if node is None or any(getattr(node, s)["x"].dtype != jnp.float32 for s in slots):
-                return False
+            n = node_of(state, opt.kind)
             repl = {s: {"x": m} for s, m in zip(slots, moments)}
-            if "count" in node._fields:
-                repl["count"] = jnp.asarray(count, node.count.dtype)
-            state = with_node(state, node._replace(**repl))
-        if getattr(state, "hyperparams", None) is not None and "count" in state._fields:
-            state = state._replace(count=jnp.asarray(count, state.count.dtype))
+            if set_count:
+                repl["count"] = count.astype(n.count.dtype)
+            state = with_node(state, n._replace(**repl))
+        if injected_count:
+            state = state._replace(count=count.astype(state.count.dtype))
         u, after = tx.update({"x": g}, state, {"x": p})
-        hp = settings_of(opt, _scalars(getattr(after, "hyperparams", {})))
+        hp = settings_of(opt, {k: v for k, v in getattr(after, "hyperparams", {}).items()
+                               if jnp.ndim(v) == 0 and jnp.issubdtype(jnp.result_type(v), jnp.number)})
         new_p, new_slots = rule(opt, hp, count + 1, p, g, tuple(moments))
-        if not _close(optax.apply_updates({"x": p}, u)["x"], new_p):
-            return False
         after_node = node_of(after, opt.kind) if slots else None
-        if any(not _close(getattr(after_node, s)["x"], m) for s, m in zip(slots, new_slots)):
+        return (optax.apply_updates({"x": p}, u)["x"], new_p,
+                tuple(getattr(after_node, s)["x"] for s in slots), new_slots)
+
+    for count, (p, g, *moments) in _probe_values(opt.kind, slots):
+        want_p, got_p, want_slots, got_slots = both(jnp.asarray(count, jnp.int32), p, g, tuple(moments))
+        if not _close(want_p, got_p) or any(not _close(a, b) for a, b in zip(want_slots, got_slots)):
             return False
     return True
 
 
 def _candidates(tx):
-    state = tx.init({"x": jnp.zeros((6,), jnp.float32)})
+    state = jax.eval_shape(tx.init, {"x": jax.ShapeDtypeStruct((6,), jnp.float32)})
     chain, hp = _inner(state)
     found = _node_kind(chain)
     if found is None:

@@ -1,0 +1,271 @@
+"""The wait before the first step: zerojax's stages against the plain jit a JAX user writes.
+
+First step = build the step, trace, lower, compile and run it once (the state is built before
+the clock starts, for every contender alike). Contenders, on 8 simulated devices, a GPT with
+d 128, vocab 8192, AdamW fp32, batch 16 x 64:
+
+* ``ddp`` / ``fsdp``: ``jax.jit`` of value_and_grad + the optax update, params and state donated,
+  replicated (DDP) or split along their largest dimension the device count divides (GSPMD FSDP);
+* ``s0``-``s3``: ``zj.make_train_step`` at zerojax's defaults (DeepSpeed's).
+
+Every (model, layer count) is measured in ``--rounds`` interleaved rounds (every other round in
+reverse order), with every compiled program (``jax.clear_caches()``) and zerojax's per-optimizer checks
+forgotten before each measurement, so each one starts as a new process would; the median is reported. Goals: stages 0-2 <= 1.2x DDP, stage 3 <= 1.2x FSDP, at every
+layer count, Python loop and ``lax.scan``; the seconds each added layer costs (a least-squares
+slope over the layer counts) no steeper than plain jit's.
+
+Two more figures, each from its own processes or loop:
+
+* ``--cache``: JAX's persistent compilation cache. A fresh process builds and runs the first step
+  of stage 3 (and of plain FSDP) with an empty cache directory, then another with the same
+  directory: the warm first step over the cold one (goal <= 0.3x).
+* ``--recompiles``: 20 steps of stage 2 with a checkpoint save every 5, a restore and ``finish()``;
+  the backend compiles counted after the first step (goal: 0).
+
+    python benchmarks/compile_time.py                        # layers 4 8 16 32, loop and scan
+    python benchmarks/compile_time.py --layers 4 8 --kinds loop
+    python benchmarks/compile_time.py --smoke                # tiny shapes: the script runs
+"""
+import argparse
+import contextlib
+import functools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+if __name__ == "__main__" or os.environ.get("ZJ_COMPILE_CHILD"):
+    from _common import simulate_devices
+
+    simulate_devices(8)
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+import zerojax as zj  # noqa: E402
+from zerojax.models.gpt import GPTConfig, init_params, loss_fn  # noqa: E402
+
+GOAL = 1.2
+BASELINE = {"s0": "ddp", "s1": "ddp", "s2": "ddp", "s3": "fsdp"}
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+def make_tx():
+    return optax.adamw(1e-4, weight_decay=0.01)
+
+
+@contextlib.contextmanager
+def count_compiles():
+    """The names of the programs XLA compiles inside the block (jax's monitoring events)."""
+    seen = []
+
+    def listener(event, duration, **kwargs):
+        if event == COMPILE_EVENT:
+            seen.append(kwargs.get("fun_name", "?"))
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield seen
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+
+
+class Contender:
+    """A state built outside the clock; ``first_step()`` times building the step + its first call."""
+
+    def __init__(self, name, mesh, cfg):
+        from vs_plain_jax import Plain
+
+        self.name, self.cfg = name, cfg
+        init = functools.partial(init_params, cfg, jax.random.PRNGKey(0))
+        self.loss = loss_fn(cfg)
+        if name in ("ddp", "fsdp"):
+            self.plain = Plain(name, mesh, init, self.loss, make_tx)
+        else:
+            self.plain = None
+            self.state = zj.shard_train_state(lambda _: init(), make_tx(), mesh=mesh,
+                                              config=zj.ZeroConfig(stage=int(name[1])))
+        jax.block_until_ready(self.plain.params if self.plain else self.state)
+
+    def first_step(self, batch) -> float:
+        from vs_plain_jax import plain_step
+
+        t = time.perf_counter()
+        if self.plain:
+            p = self.plain
+            fn = plain_step(self.loss, *p.shardings, p.batch_sh, make_tx)
+            p.params, p.opt_state, value = fn(p.params, p.opt_state, batch)
+        else:
+            step = zj.make_train_step(self.loss, self.state)
+            self.state, metrics = step(self.state, batch)
+            value = metrics["loss"]
+        jax.block_until_ready(value)
+        return time.perf_counter() - t
+
+
+def forget() -> None:
+    """Drop every compiled program and what zerojax remembers per optimizer (its recognition
+    and the gated passes' checks): the next first step starts as in a new process."""
+    from zerojax.stages import _adam, _momentum
+    from zerojax.update import _recognize
+
+    jax.clear_caches()
+    _recognize._cache.cache_clear()
+    _adam.adam_recipe.cache_clear()
+    _momentum.momentum_recipe.cache_clear()
+
+
+def batch_for(cfg, n_rows):
+    rng = np.random.default_rng(0)
+    return {"tokens": rng.integers(0, cfg.vocab, (n_rows, cfg.seq_len + 1), dtype=np.int32)}
+
+
+def slope(xs, ys) -> float:
+    """Least-squares seconds per added layer."""
+    return float(np.polyfit(np.asarray(xs, float), np.asarray(ys, float), 1)[0]) if len(xs) > 1 else float("nan")
+
+
+def first_step_table(args) -> dict:
+    mesh = zj.make_mesh()
+    results = {}
+    for kind in args.kinds:
+        seconds = {name: [] for name in args.contenders}
+        for layers in args.layers:
+            cfg = GPTConfig(vocab=args.vocab, n_layer=layers, d_model=args.d, n_head=4, seq_len=args.seq,
+                            scan=kind == "scan")
+            batch = batch_for(cfg, args.batch)
+            contenders = {k: Contender(k, mesh, cfg) for k in args.contenders}
+            times = {k: [] for k in contenders}
+            for r in range(args.rounds):
+                for k in (list(contenders) if r % 2 == 0 else list(contenders)[::-1]):
+                    forget()
+                    times[k].append(contenders[k].first_step(batch))
+            del contenders
+            med = {k: statistics.median(v) for k, v in times.items()}
+            for k, v in med.items():
+                seconds[k].append(v)
+            ratios = {k: med[k] / med[b] for k, b in BASELINE.items() if k in med and b in med}
+            results[f"{kind}-{layers}"] = {"seconds": med, "ratios": ratios}
+            print(f"{kind:>4} {layers:>3} layers  " + "  ".join(f"{k} {v:6.2f} s" for k, v in med.items()) + "   " +
+                  "  ".join(f"{k}/{BASELINE[k]} {v:.2f}{'' if v <= GOAL else ' MISSED'}" for k, v in ratios.items()),
+                  flush=True)
+        slopes = {k: slope(args.layers, v) for k, v in seconds.items()}
+        results[f"{kind}-slope"] = slopes
+        print(f"{kind:>4} seconds per added layer  " + "  ".join(f"{k} {v:.3f}" for k, v in slopes.items()) + "   " +
+              "  ".join(f"{k}/{BASELINE[k]} {slopes[k] / slopes[BASELINE[k]]:.2f}"
+                        for k in BASELINE if k in slopes and BASELINE[k] in slopes), flush=True)
+    return results
+
+
+CHILD = "ZJ_COMPILE_CHILD"
+
+
+def child_first_step() -> None:
+    """In a fresh process: one contender's first step, printed as JSON."""
+    name, layers, vocab, d, seq, batch_rows = os.environ[CHILD].split(",")
+    cfg = GPTConfig(vocab=int(vocab), n_layer=int(layers), d_model=int(d), n_head=4, seq_len=int(seq))
+    c = Contender(name, zj.make_mesh(), cfg)
+    print(json.dumps({"name": name, "first_step_s": c.first_step(batch_for(cfg, int(batch_rows)))}))
+
+
+def cache_figures(args) -> dict:
+    layers = args.layers[len(args.layers) // 2]
+    out = {}
+    with tempfile.TemporaryDirectory() as cache:
+        env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                   JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+        for name in ("s3", "fsdp"):
+            runs = []
+            for _ in ("cold", "warm"):
+                env[CHILD] = f"{name},{layers},{args.vocab},{args.d},{args.seq},{args.batch}"
+                res = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, check=True,
+                                     capture_output=True, text=True)
+                runs.append(json.loads(res.stdout.strip().splitlines()[-1])["first_step_s"])
+            out[name] = {"cold_s": runs[0], "warm_s": runs[1], "warm_over_cold": runs[1] / runs[0]}
+            print(f"persistent cache, {name}, {layers} layers: cold {runs[0]:.2f} s  warm {runs[1]:.2f} s  "
+                  f"warm/cold {runs[1] / runs[0]:.2f} (goal <= 0.30)", flush=True)
+    return out
+
+
+def recompile_figures(args) -> dict:
+    """Backend compiles after the first step, by phase: the step's own programs must not compile
+    again; each checkpoint program (save, restore) compiles once per state layout."""
+    cfg = GPTConfig(vocab=args.vocab, n_layer=args.layers[0], d_model=args.d, n_head=4, seq_len=args.seq)
+    batch = batch_for(cfg, args.batch)
+    init = functools.partial(init_params, cfg, jax.random.PRNGKey(0))
+    state = zj.shard_train_state(lambda _: init(), make_tx(), mesh=zj.make_mesh(), config=zj.ZeroConfig(stage=2))
+    step = zj.make_train_step(loss_fn(cfg), state)
+    state, _ = step(state, batch)
+    jax.block_until_ready(state)
+    phases = {"steps": 0, "first save": 0, "later saves": 0, "restore": 0, "after restore and finish()": 0}
+    with tempfile.TemporaryDirectory() as d:
+        mngr = zj.checkpoint.CheckpointManager(d, max_to_keep=2)
+
+        def phase(name, fn):
+            with count_compiles() as seen:
+                out = fn()
+                jax.block_until_ready(out)
+            phases[name] += len(seen)
+            return out
+
+        saves = 0
+        for i in range(2, 21):
+            state, _ = phase("steps", lambda: step(state, batch))
+            if i % 5 == 0:
+                phase("later saves" if saves else "first save", lambda: mngr.save(i, state))
+                saves += 1
+        mngr.wait_until_finished()
+        state, _ = phase("restore", lambda: mngr.restore(state))  # onto the live state's plan
+
+        def after():
+            s, _ = step(state, batch)
+            return step(step.finish(s), batch)[0]
+
+        state = phase("after restore and finish()", after)
+        mngr.close()
+    step_compiles = phases["steps"] + phases["later saves"] + phases["after restore and finish()"]
+    print("compiles after the first step (20 steps, a save every 5, a restore, finish()): " +
+          ", ".join(f"{k} {v}" for k, v in phases.items()) +
+          f"; recompiles of the step or of a saved layout: {step_compiles} (goal 0; the first save and the "
+          "restore compile their program once per state layout)", flush=True)
+    return {"phases": phases, "recompiles": step_compiles}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--layers", type=int, nargs="*", default=[4, 8, 16, 32])
+    ap.add_argument("--kinds", nargs="*", default=["loop", "scan"], choices=["loop", "scan"])
+    ap.add_argument("--contenders", nargs="*", default=["ddp", "fsdp", "s0", "s1", "s2", "s3"],
+                    choices=["ddp", "fsdp", "s0", "s1", "s2", "s3"])
+    ap.add_argument("--d", type=int, default=128)
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--no-cache", action="store_true", help="skip the persistent-cache processes")
+    ap.add_argument("--no-recompiles", action="store_true", help="skip the compile count over 20 steps")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes, one round (checks the script runs)")
+    args = ap.parse_args()
+    if args.smoke:
+        args.layers, args.d, args.vocab, args.seq, args.batch, args.rounds = [1, 2], 32, 517, 8, 8, 1
+        args.kinds = args.kinds[:1]
+    print(f"first step (build + trace + lower + compile + run), GPT d {args.d}, vocab {args.vocab}, AdamW fp32, "
+          f"batch {args.batch} x {args.seq}, {jax.device_count()} devices, median of {args.rounds} interleaved rounds; "
+          f"goal: zerojax / plain <= {GOAL}", flush=True)
+    figures = {"first_step": first_step_table(args)}
+    if not args.no_recompiles:
+        figures["recompiles"] = recompile_figures(args)
+    if not args.no_cache:
+        figures["cache"] = cache_figures(args)
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    if os.environ.get(CHILD):
+        child_first_step()
+    else:
+        main()

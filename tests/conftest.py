@@ -90,6 +90,8 @@ SLOW = {
     # shared compiled contenders)
     "tests/test_benchmarks.py::test_gpu_check_smoke_runs_every_section": "subprocess, many compiles",
     "tests/test_benchmarks.py::test_vs_plain_jax_smoke_prints_every_ratio_in_pairs": "subprocess, many compiles",
+    "tests/test_benchmarks.py::test_compile_time_smoke_prints_ratios_slopes_recompiles_and_the_cache":
+        "subprocesses, every contender compiled from nothing",
     # every stage x every optimizer against plain optax, 10 steps each: 32 compiled steps + references
     "tests/test_step.py::test_matches_plain_optax_fp32": "32 compiled steps",
     # 65 real DeepSpeed configs, each through zj.initialize and three steps

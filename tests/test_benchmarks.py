@@ -34,3 +34,10 @@ def test_vs_plain_jax_smoke_prints_every_ratio_in_pairs():
         assert f"{figure} " in out, f"{figure!r} missing from:\n{out}"
     for optimizer in ("adamw", "lion", "sgd-momentum"):
         assert f"fp32 params, {optimizer}" in out, f"optimizer-bound {optimizer} missing from:\n{out}"
+
+
+def test_compile_time_smoke_prints_ratios_slopes_recompiles_and_the_cache():
+    out = run("compile_time.py", "--smoke", "--contenders", "ddp", "fsdp", "s2", "s3")
+    for figure in ("s2/ddp", "s3/fsdp", "seconds per added layer", "recompiles of the step or of a saved layout: 0",
+                   "persistent cache, s3", "warm/cold"):
+        assert figure in out, f"{figure!r} missing from:\n{out}"

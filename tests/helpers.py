@@ -1,4 +1,5 @@
 """A small model with awkward shapes (nothing divides 8 evenly everywhere) and its plain reference."""
+import contextlib
 from typing import Any, NamedTuple
 
 import jax
@@ -225,3 +226,20 @@ OPTIMIZERS = {
     "inject_hyperparams": lambda: optax.inject_hyperparams(optax.adamw)(learning_rate=1e-2),
     "lamb": lambda: optax.lamb(1e-2),
 }
+
+
+@contextlib.contextmanager
+def count_compiles():
+    """The names of the programs compiled (or read from the persistent cache) inside the block,
+    from JAX's own monitoring event."""
+    seen = []
+
+    def listener(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            seen.append(kwargs.get("fun_name", "?"))
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield seen
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)

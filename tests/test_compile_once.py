@@ -1,31 +1,12 @@
 """The step's programs compile once per (state layout, batch shape): not again on the second
 step, after an ahead-of-time ``step.lower(...).compile()``, a checkpoint save or restore, or
 ``finish()``. Compiles are counted with JAX's own monitoring event."""
-import contextlib
-
 import jax
 import optax
 import pytest
 
 import zerojax as zj
-from tests.helpers import batches, init_params, loss_fn
-
-COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
-
-
-@contextlib.contextmanager
-def compiles():
-    seen = []
-
-    def listener(event, duration, **kwargs):
-        if event == COMPILE_EVENT:
-            seen.append(kwargs.get("fun_name", "?"))
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        yield seen
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
+from tests.helpers import batches, count_compiles, init_params, loss_fn
 
 
 def fresh(stage):
@@ -38,9 +19,9 @@ def test_the_ahead_of_time_program_is_the_one_the_step_runs(stage):
     state = fresh(stage)
     step = zj.make_train_step(loss_fn, state)
     batch = batches(1)[0]
-    with compiles() as aot:
+    with count_compiles() as aot:
         step.lower(state, batch).compile()
-    with compiles() as first_call:
+    with count_compiles() as first_call:
         state, _ = step(state, batch)
         jax.block_until_ready(state)
     assert aot, "the ahead-of-time compile compiled nothing: the count cannot see compiles"
@@ -55,11 +36,11 @@ def test_no_step_compiles_again_across_saves_a_restore_and_finish(tmp_path):
     jax.block_until_ready(state)
     mngr = zj.checkpoint.CheckpointManager(str(tmp_path), max_to_keep=2)
     saves = []
-    with compiles() as steps:
+    with count_compiles() as steps:
         for i, batch in enumerate(data[1:], start=1):
             state, _ = step(state, batch)
             if i % 3 == 0:
-                with compiles() as save:
+                with count_compiles() as save:
                     mngr.save(i, state)
                     mngr.wait_until_finished()
                 saves.append(len(save))
@@ -79,7 +60,7 @@ def test_a_new_batch_shape_compiles_once_more_and_only_once():
     step = zj.make_train_step(loss_fn, state)
     small, big = batches(1, batch_size=16)[0], batches(1, batch_size=32)[0]
     state, _ = step(state, small)
-    with compiles() as seen:
+    with count_compiles() as seen:
         for _ in range(3):
             state, _ = step(state, big)
         jax.block_until_ready(state)

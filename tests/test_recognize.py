@@ -1,12 +1,11 @@
 """Optimizer recognition reads the user's settings exactly (the fp32 numbers optax multiplies by)
 and compiles a few programs to do it, not one per operation."""
-import contextlib
-
 import jax
 import numpy as np
 import optax
 import pytest
 
+from tests.helpers import count_compiles
 from zerojax.update import _recognize
 
 f32 = lambda x: float(np.float32(x))  # noqa: E731
@@ -45,24 +44,11 @@ def test_a_setting_off_by_an_ulp_is_not_rounded_to_a_neighbour():
     assert opt.constants["weight_decay"] == f32(odd)
 
 
-@contextlib.contextmanager
-def compiles():
-    seen = []
-
-    def listener(event, duration, **kwargs):
-        if event == "/jax/core/compile/backend_compile_duration":
-            seen.append(kwargs.get("fun_name"))
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        yield seen
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
 
 
 def test_recognition_compiles_a_handful_of_programs():
     jax.clear_caches()
-    with compiles() as seen:
+    with count_compiles() as seen:
         opt = _recognize._recognize(optax.adamw(1.23e-3, weight_decay=0.021))
     assert opt is not None and opt.kind == "adam"
     # op-by-op probing compiled 36 programs in a new process; jitted probes a handful

@@ -13,6 +13,7 @@ from etils import epath
 
 import zerojax as zj
 from tests._ckpt_worker import make_state
+from tests.helpers import count_compiles
 from zerojax.checkpoint import CheckpointError, CheckpointManager
 from zerojax.checkpoint import _format as ckpt_format
 from zerojax.checkpoint import _integrity as integrity
@@ -248,19 +249,6 @@ def test_every_failure_is_a_zerojax_error(case, two_steps, tmp_path, state):
 
 
 # ------------------------------------------------------------------ one compile per layout
-@contextlib.contextmanager
-def count_compiles():
-    seen = []
-
-    def listener(event, duration, **kwargs):
-        if event == "/jax/core/compile/backend_compile_duration":
-            seen.append(kwargs.get("fun_name"))
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        yield seen
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
 
 
 def test_save_and_restore_compile_once_per_layout(tmp_path):

@@ -27,7 +27,6 @@ Two more figures, each from its own processes or loop:
     python benchmarks/compile_time.py --smoke                # tiny shapes, the loop only: the script runs
 """
 import argparse
-import contextlib
 import functools
 import json
 import os
@@ -47,31 +46,15 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import zerojax as zj  # noqa: E402
+from zerojax._compat import count_compiles  # noqa: E402
 from zerojax.models.gpt import GPTConfig, init_params, loss_fn  # noqa: E402
 
 GOAL = 1.2
 BASELINE = {"s0": "ddp", "s1": "ddp", "s2": "ddp", "s3": "fsdp"}
-COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
 
 def make_tx():
     return optax.adamw(1e-4, weight_decay=0.01)
-
-
-@contextlib.contextmanager
-def count_compiles():
-    """The names of the programs XLA compiles inside the block (jax's monitoring events)."""
-    seen = []
-
-    def listener(event, duration, **kwargs):
-        if event == COMPILE_EVENT:
-            seen.append(kwargs.get("fun_name", "?"))
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        yield seen
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
 
 
 class Contender:

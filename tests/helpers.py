@@ -1,11 +1,12 @@
 """A small model with awkward shapes (nothing divides 8 evenly everywhere) and its plain reference."""
-import contextlib
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+
+from zerojax._compat import count_compiles  # noqa: F401 - the tests' compile counter
 
 VOCAB, EMB, HID, OUT = 67, 12, 20, 5
 
@@ -227,19 +228,3 @@ OPTIMIZERS = {
     "lamb": lambda: optax.lamb(1e-2),
 }
 
-
-@contextlib.contextmanager
-def count_compiles():
-    """The names of the programs compiled (or read from the persistent cache) inside the block,
-    from JAX's own monitoring event."""
-    seen = []
-
-    def listener(event, duration, **kwargs):
-        if event == "/jax/core/compile/backend_compile_duration":
-            seen.append(kwargs.get("fun_name", "?"))
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        yield seen
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)

@@ -1,6 +1,8 @@
 """The one place that bridges JAX API differences between the versions zerojax supports."""
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import numpy as np
 from jax.sharding import Mesh
@@ -112,3 +114,24 @@ def cost_analysis(compiled) -> dict:
     if isinstance(cost, (list, tuple)):
         cost = cost[0] if cost else {}
     return dict(cost or {})
+
+
+# the event JAX records for each program it compiles (or reads from the persistent cache)
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+@contextlib.contextmanager
+def count_compiles():
+    """The names of the programs compiled (or read from the persistent cache) inside the block,
+    from JAX's own monitoring event."""
+    seen = []
+
+    def listener(event, duration, **kwargs):
+        if event == COMPILE_EVENT:
+            seen.append(kwargs.get("fun_name", "?"))
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield seen
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)

@@ -36,7 +36,7 @@ from zerojax.stages._gating import (
     unzip_leaves,
     zero_unless,
 )
-from zerojax.update._recognize import recognize
+from zerojax.update._recognize import init_shape, recognize
 
 __all__ = ["AdamRecipe", "adam_node", "adam_recipe", "gated_adam", "step_hyperparams"]
 
@@ -111,7 +111,7 @@ def _probes(shape=(6,)):
 
 
 def _verified(recipe: AdamRecipe, tx) -> bool:
-    node = adam_node(jax.eval_shape(tx.init, {"x": jax.ShapeDtypeStruct((6,), jnp.float32)}))
+    node = adam_node(init_shape(tx))
     if node is None or node.mu["x"].dtype != jnp.float32 or node.nu["x"].dtype != jnp.float32:
         return False
     init = jax.jit(tx.init)
@@ -134,8 +134,7 @@ def adam_recipe(tx) -> Optional[AdamRecipe]:
     finds it) that this pass reproduces exactly (checked on probes), else None (the caller keeps
     the general path). Remembered per transformation."""
     opt = recognize(tx)
-    if opt is None or opt.kind != "adam" or adam_node(
-            jax.eval_shape(tx.init, {"x": jax.ShapeDtypeStruct((6,), jnp.float32)})) is None:
+    if opt is None or opt.kind != "adam":
         return None
     recipe = AdamRecipe(opt.constants)
     return recipe if _verified(recipe, tx) else None

@@ -28,7 +28,7 @@ from zerojax.stages._gating import (
     unzip_leaves,
     zero_unless,
 )
-from zerojax.update._recognize import recognize
+from zerojax.update._recognize import init_shape, recognize
 
 __all__ = ["MomentumRecipe", "gated_momentum", "momentum_recipe"]
 
@@ -66,7 +66,7 @@ def gated_momentum(recipe: MomentumRecipe, tx, params, grads, opt_state, apply):
 
 
 def _verified(recipe: MomentumRecipe, tx) -> bool:
-    node = _node(jax.eval_shape(tx.init, {"x": jax.ShapeDtypeStruct((6,), jnp.float32)}))
+    node = _node(init_shape(tx))
     if node is None or node.trace["x"].dtype != jnp.float32:
         return False
     init = jax.jit(tx.init)
@@ -87,8 +87,6 @@ def momentum_recipe(tx) -> Optional[MomentumRecipe]:
     exactly (checked on probes), else None."""
     opt = recognize(tx)
     if opt is None or opt.kind != "sgd" or opt.nesterov or not opt.slots:
-        return None
-    if _node(jax.eval_shape(tx.init, {"x": jax.ShapeDtypeStruct((6,), jnp.float32)})) is None:
         return None
     recipe = MomentumRecipe(opt.constants)
     return recipe if _verified(recipe, tx) else None

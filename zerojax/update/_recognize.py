@@ -31,8 +31,8 @@ import optax
 
 from zerojax._errors import OptimizerError
 
-__all__ = ["Optimizer", "StepSettings", "describe", "direction", "node_of", "recognize", "refuse", "rule", "settings_of",
-           "with_node"]
+__all__ = ["Optimizer", "StepSettings", "describe", "direction", "init_shape", "node_of", "recognize", "refuse", "rule",
+           "settings_of", "with_node"]
 
 # the state node of each kind's stateful transformation and the moments it holds
 _NODES = {"adam": (optax.ScaleByAdamState, ("mu", "nu")), "sgd": (optax.TraceState, ("trace",)),
@@ -166,14 +166,22 @@ def settings_of(opt: Optimizer, hp) -> dict:
     return out
 
 
+def _numeric(hp) -> dict:
+    """The numeric scalars of injected hyperparameters (concrete or traced), as they are."""
+    return {k: v for k, v in hp.items()
+            if isinstance(v, (int, float, np.ndarray, np.generic, jax.Array)) and jnp.ndim(v) == 0
+            and jnp.issubdtype(jnp.result_type(v), jnp.number)}
+
+
 def _scalars(hp) -> dict:
     """The numeric scalars of injected hyperparameters, as the fp32 numpy scalars optax holds."""
-    out = {}
-    for k, v in hp.items():
-        a = np.asarray(v)
-        if a.ndim == 0 and np.issubdtype(a.dtype, np.number):
-            out[k] = a[()]
-    return out
+    return {k: np.asarray(v)[()] for k, v in _numeric(hp).items()}
+
+
+def init_shape(tx):
+    """The abstract initial state of ``tx`` for one fp32 leaf ``"x"`` of 6 elements: enough to
+    see what the optimizer's state is without running (or compiling) anything."""
+    return jax.eval_shape(tx.init, {"x": jax.ShapeDtypeStruct((6,), jnp.float32)})
 
 
 class StepSettings:
@@ -332,7 +340,7 @@ def _verified(opt: Optimizer, tx) -> bool:
     """``tx``'s update against :func:`rule` on the probe values. Both run in one jitted program
     (the probes share its shapes): probing compiles once, not once per operation."""
     slots = opt.slots
-    shape = jax.eval_shape(tx.init, {"x": jax.ShapeDtypeStruct((6,), jnp.float32)})
+    shape = init_shape(tx)
     node = node_of(shape, opt.kind) if slots else None
     if slots and (node is None or any(getattr(node, s)["x"].dtype != jnp.float32 for s in slots)):
         return False
@@ -351,8 +359,7 @@ def _verified(opt: Optimizer, tx) -> bool:
         if injected_count:
             state = state._replace(count=count.astype(state.count.dtype))
         u, after = tx.update({"x": g}, state, {"x": p})
-        hp = settings_of(opt, {k: v for k, v in getattr(after, "hyperparams", {}).items()
-                               if jnp.ndim(v) == 0 and jnp.issubdtype(jnp.result_type(v), jnp.number)})
+        hp = settings_of(opt, _numeric(getattr(after, "hyperparams", {})))
         new_p, new_slots = rule(opt, hp, count + 1, p, g, tuple(moments))
         after_node = node_of(after, opt.kind) if slots else None
         return (optax.apply_updates({"x": p}, u)["x"], new_p,
@@ -366,7 +373,7 @@ def _verified(opt: Optimizer, tx) -> bool:
 
 
 def _candidates(tx):
-    state = jax.eval_shape(tx.init, {"x": jax.ShapeDtypeStruct((6,), jnp.float32)})
+    state = init_shape(tx)
     chain, hp = _inner(state)
     found = _node_kind(chain)
     if found is None:

@@ -14,6 +14,17 @@ os.environ.setdefault("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Most of the suite's cost is XLA's CPU compiler, and much of that is LLVM optimising code that
+# runs for milliseconds. Tests compile without those optimisations (the quick tier on one worker:
+# 208 s -> 163 s; every reference a test compares against is compiled the same way, and results
+# stay bitwise equal where a test asks for it). --xla_cpu_use_fusion_emitters=false would save
+# more (125 s) but changes fused numerics between two programs that are otherwise equal (hpZ
+# against stage 3 on a scanned GPT), so it is not used. Test runs only: benchmarks and users keep
+# XLA's defaults. ZEROJAX_TEST_FAST_COMPILE=0 turns it off.
+if os.environ.get("ZEROJAX_TEST_FAST_COMPILE", "1") != "0":
+    for _flag in ("--xla_backend_optimization_level=0",):
+        if _flag.split("=")[0] not in os.environ["XLA_FLAGS"]:
+            os.environ["XLA_FLAGS"] += " " + _flag
 
 _OWN_CACHE = None
 if os.environ.get("ZEROJAX_TEST_JIT_CACHE", "1") != "0" and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
@@ -163,6 +174,20 @@ SLOW = {
 # The cost profile printed at the end of every run marks any other file over 60 s, and any test over
 # 20 s; it asserts nothing (the machines are noisy).
 BUDGET = {
+    # seconds are the full run's on an idle 2-core machine, two workers (`pytest -n 2`)
+    "tests/test_benchmarks.py": "117 s: three benchmark smoke runs (gpu_check, vs_plain_jax, compile_time), each a "
+                                "fresh process compiling every contender from nothing (33-43 s each)",
+    "tests/stages/test_collectives.py": "116 s: 31 tests reading the collectives of compiled steps, stage x "
+                                        "bucket x prefetch setting (677 programs)",
+    "tests/test_optimizer_table.py": "108 s: 133 cells, every optax optimizer against plain optax on every "
+                                     "device path (678 programs)",
+    "tests/stages/test_zeropp.py": "91 s: every ZeRO++ setting (qwZ, qgZ, hpZ) compiled and checked against "
+                                   "stage 3 and plain optax (491 programs)",
+    "tests/test_step.py": "89 s: every stage x optimizer x precision against plain optax over 10 steps "
+                          "(462 programs)",
+    "tests/test_pipeline.py": "74 s: every pipeline schedule's program against plain optax, and the pipeline "
+                              "benchmark's smoke run (29 s)",
+    "tests/test_autotp.py": "60 s: Hugging Face GPT-2 and Llama trained under AutoTP at stages 1-3",
 }
 
 

@@ -231,7 +231,16 @@ def test_hugging_face_models_train_like_plain_optax(kind, stage):
     want = reference(loss_fn, params, data)
     got = state.full_params(jnp.float32)
     for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree_util.tree_leaves(want)):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=5e-5, rtol=0, err_msg=jax.tree_util.keystr(path))
+        x, y, name = np.asarray(x), np.asarray(y), jax.tree_util.keystr(path)
+        atol = np.full(x.shape, 5e-5, np.float32)
+        if kind == "gpt2" and name.endswith("['c_attn']['bias']"):
+            # GPT-2's key bias adds the same q.b_k to every score of a query row, which softmax
+            # ignores: its gradient is zero in exact arithmetic and rounding noise in practice,
+            # which Adam (eps 1e-8) scales up to ~1e-4 over three steps, differently for any two
+            # programs. Its third of the bias is held to that, the rest to 5e-5.
+            d = x.shape[0] // 3
+            atol[d:2 * d] = 5e-4
+        assert np.all(np.abs(x - y) <= atol), (name, float(np.max(np.abs(x - y) - atol)))
     moved = max(float(jnp.max(jnp.abs(x - y))) for x, y in zip(jax.tree_util.tree_leaves(want),
                                                                jax.tree_util.tree_leaves(params)))
     assert moved > 1e-3  # the comparison means something: the params did move

@@ -166,7 +166,9 @@ def test_clipping_with_offload():
     config = zj.ZeroConfig(stage=2, offload_optimizer="cpu", gradient_clipping=0.05)
     got, _, _ = run(zj.zero_optimizer(OPTIMIZERS["adamw"](), config=config), params, data, True)
     for u, w in zip(got, want):
-        assert max_rel_err(u, w) < 1e-6
+        # the clip scale is 0.05 / a global norm summed in an order each compiler picks; a one-ulp change in
+        # it moves Adam's update by a few ulps (the unclipped run is 1e-3 away)
+        assert max_rel_err(u, w) < 3e-6
 
 
 def test_optimizer_that_cannot_run_on_the_host_is_updated_on_the_device():

@@ -22,7 +22,13 @@ Two more figures, each from its own processes or loop:
 * ``--recompiles``: 20 steps of stage 2 with a checkpoint save every 5, a restore and ``finish()``;
   the backend compiles counted after the first step (goal: 0).
 
+* ``--breakdown``: instead of the table, each contender's first step in a fresh process, in its
+  phases (building the step, Python trace, lowering, XLA compile, first run), the op counts of the
+  optimized module (instructions, fusions, collectives, custom calls) and XLA's slowest passes on
+  the step, read from XLA's own pass timing (``TF_CPP_VMODULE=hlo_pass_pipeline=1,cpu_compiler=1``).
+
     python benchmarks/compile_time.py                        # layers 4 8 16 32, loop and scan
+    python benchmarks/compile_time.py --breakdown --layers 4 8 --kinds loop
     python benchmarks/compile_time.py --layers 4 8 --kinds loop
     python benchmarks/compile_time.py --smoke                # tiny shapes, the loop only: the script runs
 """
@@ -30,13 +36,14 @@ import argparse
 import functools
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 
-if __name__ == "__main__" or os.environ.get("ZJ_COMPILE_CHILD"):
+if __name__ == "__main__" or os.environ.get("ZJ_COMPILE_CHILD") or os.environ.get("ZJ_BREAKDOWN_CHILD"):
     from _common import simulate_devices
 
     simulate_devices(8)
@@ -88,6 +95,60 @@ class Contender:
             value = metrics["loss"]
         jax.block_until_ready(value)
         return time.perf_counter() - t
+
+
+    def phases(self, batch) -> dict:
+        """The first step in its phases, each timed: building the step (zerojax: make_train_step,
+        its optimizer recognition included), Python trace, lowering to StableHLO, XLA compile, the
+        first run; and the optimized module's op counts."""
+        from vs_plain_jax import plain_step
+
+        clock = [time.perf_counter()]
+
+        def lap():
+            clock.append(time.perf_counter())
+            return clock[-1] - clock[-2]
+
+        if self.plain:
+            p = self.plain
+            fn, call_args = plain_step(self.loss, *p.shardings, p.batch_sh, make_tx), (p.params, p.opt_state, batch)
+        else:
+            fn, call_args = zj.make_train_step(self.loss, self.state).jitted, (self.state, batch)
+        out = {"build_s": lap()}
+        traced = fn.trace(*call_args)
+        out["trace_s"] = lap()
+        lowered = traced.lower()
+        out["lower_s"] = lap()
+        compiled = lowered.compile()
+        out["compile_s"] = lap()
+        jax.block_until_ready(compiled(*call_args))
+        out["run_s"] = lap()
+        out.update(hlo_counts(compiled.as_text()))
+        return out
+
+
+OPCODE = re.compile(r"(?<![\w.\-])([a-z][a-z0-9\-]*)\(")
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+
+
+def hlo_counts(text: str) -> dict:
+    """Op counts of an optimized HLO module: every instruction (fused computations' included),
+    the fusions, the collectives (async starts counted once) and the custom calls."""
+    ops = []
+    for line in text.splitlines():
+        line = line.strip()
+        if " = " not in line or line.startswith(("HloModule", "//")):
+            continue
+        # "name = f32[8,16]{1,0} add(a, b), ...": the opcode is the first word followed by "("
+        match = OPCODE.search(line.split(" = ", 1)[1])
+        if match:
+            ops.append(match.group(1))
+    return {
+        "instructions": len(ops),
+        "fusions": sum(op == "fusion" for op in ops),
+        "collectives": sum(op.removesuffix("-start") in COLLECTIVES for op in ops),
+        "custom_calls": sum(op == "custom-call" for op in ops),
+    }
 
 
 def forget() -> None:
@@ -145,6 +206,65 @@ def first_step_table(args) -> dict:
 
 
 CHILD = "ZJ_COMPILE_CHILD"
+BREAKDOWN_CHILD = "ZJ_BREAKDOWN_CHILD"
+PASS_LOG = {"TF_CPP_MIN_LOG_LEVEL": "0", "TF_CPP_VMODULE": "hlo_pass_pipeline=1,cpu_compiler=1"}
+MODULE_LINE = re.compile(r"Running HLO pass pipeline on module (\S+): ")
+PASS_LINE = re.compile(r"HLO pass: (\S+) time: .*?\((\d+) us\)")
+CODEGEN_LINE = re.compile(r"Compiling \[(\S+)\] for \S+ using JIT time: .*?\((\d+) us\)")
+
+
+def pass_times(log: str) -> dict:
+    """XLA's own timing of the biggest program in a compile log (TF_CPP_VMODULE=hlo_pass_pipeline=1,
+    cpu_compiler=1): seconds per HLO pass summed over its runs, and the backend's code generation."""
+    per_module: dict = {}
+    module = None
+    for line in log.splitlines():
+        if m := MODULE_LINE.search(line):
+            module = m.group(1)
+        elif (m := PASS_LINE.search(line)) and module:
+            passes = per_module.setdefault(module, {})
+            passes[m.group(1)] = passes.get(m.group(1), 0.0) + int(m.group(2)) / 1e6
+        elif m := CODEGEN_LINE.search(line):
+            per_module.setdefault(m.group(1), {})["(codegen: LLVM + machine code)"] = int(m.group(2)) / 1e6
+    if not per_module:
+        return {}
+    return max(per_module.values(), key=lambda passes: sum(passes.values()))
+
+
+def child_breakdown() -> None:
+    """In a fresh process: one contender's first step in its phases, printed as JSON."""
+    name, layers, kind, vocab, d, seq, batch_rows = os.environ[BREAKDOWN_CHILD].split(",")
+    cfg = GPTConfig(vocab=int(vocab), n_layer=int(layers), d_model=int(d), n_head=4, seq_len=int(seq),
+                    scan=kind == "scan")
+    c = Contender(name, zj.make_mesh(), cfg)
+    print(json.dumps(c.phases(batch_for(cfg, int(batch_rows)))))
+
+
+def breakdown_table(args) -> dict:
+    """Where each contender's first step goes, each in a fresh process: build, trace, lower,
+    compile, run; the optimized module's op counts; XLA's slowest passes on the step."""
+    head = (f"{'model':>9} {'contender':>9} {'build':>6} {'trace':>6} {'lower':>6} {'compile':>7} {'run':>5} "
+            f"{'instr':>6} {'fusion':>6} {'coll':>5} {'custom':>6}  slowest XLA passes of the step (s)")
+    print("breakdown of the first step (seconds; op counts of the optimized module)\n" + head, flush=True)
+    out = {}
+    for kind in args.kinds:
+        for layers in args.layers:
+            for name in args.contenders:
+                env = dict(os.environ, **PASS_LOG)
+                env[BREAKDOWN_CHILD] = f"{name},{layers},{kind},{args.vocab},{args.d},{args.seq},{args.batch}"
+                res = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, check=True,
+                                     capture_output=True, text=True)
+                row = json.loads(res.stdout.strip().splitlines()[-1])
+                passes = pass_times(res.stderr)
+                row["passes"] = dict(sorted(passes.items(), key=lambda kv: -kv[1])[:args.top_passes])
+                row["hlo_passes_s"] = sum(v for k, v in passes.items() if not k.startswith("(codegen"))
+                out[f"{kind}-{layers}-{name}"] = row
+                print(f"{kind + ' ' + str(layers):>9} {name:>9} {row['build_s']:6.2f} {row['trace_s']:6.2f} "
+                      f"{row['lower_s']:6.2f} {row['compile_s']:7.2f} {row['run_s']:5.2f} {row['instructions']:6d} "
+                      f"{row['fusions']:6d} {row['collectives']:5d} {row['custom_calls']:6d}  "
+                      f"HLO passes {row['hlo_passes_s']:.2f}; " +
+                      ", ".join(f"{k} {v:.2f}" for k, v in row["passes"].items()), flush=True)
+    return out
 
 
 def child_first_step() -> None:
@@ -232,10 +352,16 @@ def main():
     ap.add_argument("--no-cache", action="store_true", help="skip the persistent-cache processes")
     ap.add_argument("--no-recompiles", action="store_true", help="skip the compile count over 20 steps")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, one round (checks the script runs)")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="only the phases of each contender's first step, op counts and XLA's slowest passes")
+    ap.add_argument("--top-passes", type=int, default=4, help="passes listed per contender in --breakdown")
     args = ap.parse_args()
     if args.smoke:
         args.layers, args.d, args.vocab, args.seq, args.batch, args.rounds = [1, 2], 32, 517, 8, 8, 1
         args.kinds = args.kinds[:1]
+    if args.breakdown:
+        print(json.dumps({"breakdown": breakdown_table(args)}))
+        return
     print(f"first step (build + trace + lower + compile + run), GPT d {args.d}, vocab {args.vocab}, AdamW fp32, "
           f"batch {args.batch} x {args.seq}, {jax.device_count()} devices, median of {args.rounds} interleaved rounds; "
           f"goal: zerojax / plain <= {GOAL}", flush=True)
@@ -250,5 +376,7 @@ def main():
 if __name__ == "__main__":
     if os.environ.get(CHILD):
         child_first_step()
+    elif os.environ.get(BREAKDOWN_CHILD):
+        child_breakdown()
     else:
         main()

@@ -1,0 +1,47 @@
+"""benchmarks/compile_time.py --breakdown reads two things: the op counts of an optimized module
+and XLA's own pass timing. Both readers, on a real compiled program and on XLA's log format."""
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+import zerojax as zj
+from zerojax._compat import shard_map
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+import compile_time  # noqa: E402
+
+LOG = """\
+I1204 16:54:09.587038 10106 hlo_pass_pipeline.cc:303] Running HLO pass pipeline on module jit_small: simplification
+I1204 16:54:09.587137 10106 hlo_pass_pipeline.cc:176] HLO pass: algsimp time: 900 us (900 us) (cumulative: 1 ms, max: 1 ms, #called: 1)
+I1204 16:54:09.587153 10106 hlo_pass_pipeline.cc:303] Running HLO pass pipeline on module jit_train_step: simplification
+I1204 16:54:09.587163 10106 hlo_pass_pipeline.cc:176] HLO pass: algsimp time: 1.5 ms (1500 us) (cumulative: 2 ms, max: 1 ms, #called: 2)
+I1204 16:54:09.587171 10106 hlo_pass_pipeline.cc:303] Running HLO pass pipeline on module jit_train_step: fusion
+I1204 16:54:09.587180 10106 hlo_pass_pipeline.cc:176] HLO pass: algsimp time: 500 us (500 us) (cumulative: 2 ms, max: 1 ms, #called: 3)
+I1204 16:54:09.587190 10106 hlo_pass_pipeline.cc:176] HLO pass: fusion time: 2.0 ms (2000 us) (cumulative: 4 ms, max: 2 ms, #called: 4)
+I1204 16:54:11.858276 10133 cpu_compiler.cc:2094] Compiling [jit_train_step] for CPU using JIT time: 2.51 s (2506037 us) (cumulative: 4 s, max: 2.51 s, #called: 18)
+"""
+
+
+def test_pass_times_reads_the_biggest_program_and_sums_each_pass():
+    passes = compile_time.pass_times(LOG)
+    assert passes == {"algsimp": 0.002, "fusion": 0.002, "(codegen: LLVM + machine code)": 2.506037}
+    assert compile_time.pass_times("no XLA log here") == {}
+
+
+def test_hlo_counts_of_a_compiled_program_with_a_collective():
+    mesh = zj.make_mesh()
+
+    def body(x):
+        return jax.lax.psum(jnp.sin(x) * 2.0, "data")
+
+    fn = jax.jit(shard_map(body, mesh, in_specs=(P("data"),), out_specs=P()))
+    text = fn.lower(jnp.arange(8.0 * mesh.size)).compile().as_text()
+    counts = compile_time.hlo_counts(text)
+    assert counts["collectives"] == 1 and counts["custom_calls"] == 0
+    assert counts["instructions"] >= 4 and 1 <= counts["fusions"] < counts["instructions"]
+    # the control: a module with no collective counts none
+    plain = compile_time.hlo_counts(jax.jit(lambda x: jnp.sin(x) * 2.0).lower(jnp.ones(8)).compile().as_text())
+    assert plain["collectives"] == 0

@@ -1,4 +1,5 @@
 """A small model with awkward shapes (nothing divides 8 evenly everywhere) and its plain reference."""
+import os
 from typing import Any, NamedTuple
 
 import jax
@@ -9,6 +10,18 @@ import optax
 from zerojax._compat import count_compiles  # noqa: F401 - the tests' compile counter
 
 VOCAB, EMB, HID, OUT = 67, 12, 20, 5
+
+
+def child_env(devices=None, **extra) -> dict:
+    """The environment of a JAX process the suite starts: this one's, with the suite's XLA flags
+    (its faster compile) but not its device count, which the child sets itself or takes from
+    ``devices``; on the CPU."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", **extra)
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
+    if devices is not None:
+        flags.append(f"--xla_force_host_platform_device_count={devices}")
+    env["XLA_FLAGS"] = " ".join(flags)
+    return env
 
 
 def init_params(key):

@@ -2,18 +2,17 @@
 on tiny shapes (the figures mean nothing on the CPU; the scripts must not rot). The smoke modes
 compile each contender once; the two scripts share vs_plain_jax's code, so gpu_check's smoke
 run times one of its ratios and vs_plain_jax's every one."""
-import os
 import pathlib
 import subprocess
 import sys
+
+from tests.helpers import child_env
 
 BENCH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 def run(script, *args, timeout=600):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["JAX_PLATFORMS"] = "cpu"
-    out = subprocess.run([sys.executable, str(BENCH / script), *args], cwd=BENCH, env=env, capture_output=True,
+    out = subprocess.run([sys.executable, str(BENCH / script), *args], cwd=BENCH, env=child_env(), capture_output=True,
                          text=True, timeout=timeout)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out.stdout

@@ -2,12 +2,13 @@
 table is regenerated from the code and compared, and the site builds in strict mode."""
 import importlib.util
 import json
-import os
 import pathlib
 import subprocess
 import sys
 
 import pytest
+
+from tests.helpers import child_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -19,9 +20,7 @@ RUNNABLE = [p for p in PAGES if blocks(p.read_text())]
 
 
 def _env():
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env.update(XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu", NO_MKDOCS_2_WARNING="1")
-    return env
+    return child_env(8, NO_MKDOCS_2_WARNING="1")
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,4 @@
 """PipelineModel over a "pipe" mesh axis against plain optax on ``pipe.loss`` (tiny GPT, fp32)."""
-import os
 import pathlib
 import subprocess
 import sys
@@ -12,6 +11,7 @@ import optax
 import pytest
 
 import zerojax as zj
+from tests.helpers import child_env
 from zerojax.models.gpt import GPTConfig
 from zerojax.models.gpt_pipeline import gpt_pipeline, init_pipeline_params
 from zerojax.pipeline._schedule import NONE, SCHEDULES, check, make_schedule, theory_idle_fraction
@@ -257,8 +257,7 @@ def test_deepspeed_pipeline_block():
 @pytest.mark.slow
 def test_benchmark_smoke_prints_both_sections():
     bench = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    out = subprocess.run([sys.executable, str(bench / "pipeline.py"), "--smoke"], cwd=bench, env=env,
+    out = subprocess.run([sys.executable, str(bench / "pipeline.py"), "--smoke"], cwd=bench, env=child_env(),
                          capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "theory" in out.stdout and "0.3333" in out.stdout  # P = 2, M = 2

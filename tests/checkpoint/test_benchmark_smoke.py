@@ -7,13 +7,14 @@ import sys
 
 import pytest
 
+from tests.helpers import child_env
+
 BENCH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 @pytest.mark.slow
 def test_checkpoint_benchmark_smoke_prints_first_and_third_save():
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["JAX_PLATFORMS"] = "cpu"
+    env = child_env()
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(BENCH.parent), env.get("PYTHONPATH")) if p)
     out = subprocess.run([sys.executable, str(BENCH / "checkpoint.py"), "--smoke"], cwd=BENCH, env=env,
                          capture_output=True, text=True, timeout=600)

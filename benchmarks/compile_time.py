@@ -264,7 +264,19 @@ def breakdown_table(args) -> dict:
                       f"{row['fusions']:6d} {row['collectives']:5d} {row['custom_calls']:6d}  "
                       f"HLO passes {row['hlo_passes_s']:.2f}; " +
                       ", ".join(f"{k} {v:.2f}" for k, v in row["passes"].items()), flush=True)
+        if len(args.layers) > 1:
+            for phase in ("trace_s", "compile_s"):
+                per = phase_slopes(out, kind, args.layers, args.contenders, phase)
+                print(f"{kind} {phase[:-2]} seconds per added layer  " + "  ".join(f"{k} {v:.3f}" for k, v in per.items())
+                      + "   " + "  ".join(f"{k}/{b} {per[k] / per[b]:.2f}" for k, b in BASELINE.items()
+                                        if k in per and b in per and per[b] > 0), flush=True)
     return out
+
+
+def phase_slopes(rows: dict, kind: str, layers, contenders, phase: str) -> dict:
+    """Seconds each added layer costs one phase of each contender's first step (least squares
+    over the layer counts of a --breakdown)."""
+    return {name: slope(layers, [rows[f"{kind}-{n}-{name}"][phase] for n in layers]) for name in contenders}
 
 
 def child_first_step() -> None:

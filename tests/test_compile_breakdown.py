@@ -45,3 +45,9 @@ def test_hlo_counts_of_a_compiled_program_with_a_collective():
     # the control: a module with no collective counts none
     plain = compile_time.hlo_counts(jax.jit(lambda x: jnp.sin(x) * 2.0).lower(jnp.ones(8)).compile().as_text())
     assert plain["collectives"] == 0
+
+
+def test_phase_slopes_are_seconds_per_added_layer():
+    rows = {f"loop-{n}-{name}": {"trace_s": 0.2 + per * n} for n in (4, 8, 16) for name, per in (("ddp", 0.05), ("s3", 0.1))}
+    slopes = compile_time.phase_slopes(rows, "loop", [4, 8, 16], ["ddp", "s3"], "trace_s")
+    assert abs(slopes["ddp"] - 0.05) < 1e-9 and abs(slopes["s3"] - 0.1) < 1e-9

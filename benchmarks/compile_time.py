@@ -231,13 +231,23 @@ def pass_times(log: str) -> dict:
     return max(per_module.values(), key=lambda passes: sum(passes.values()))
 
 
-def child_breakdown() -> None:
-    """In a fresh process: one contender's first step in its phases, printed as JSON."""
-    name, layers, kind, vocab, d, seq, batch_rows = os.environ[BREAKDOWN_CHILD].split(",")
+def child_spec(name, layers, kind, args) -> str:
+    """What a child process measures, as the one environment value it reads (:func:`child_contender`)."""
+    return f"{name},{layers},{kind},{args.vocab},{args.d},{args.seq},{args.batch}"
+
+
+def child_contender(variable: str):
+    """In a fresh process: ``(name, contender, batch)`` from the :func:`child_spec` in ``variable``."""
+    name, layers, kind, vocab, d, seq, batch_rows = os.environ[variable].split(",")
     cfg = GPTConfig(vocab=int(vocab), n_layer=int(layers), d_model=int(d), n_head=4, seq_len=int(seq),
                     scan=kind == "scan")
-    c = Contender(name, zj.make_mesh(), cfg)
-    print(json.dumps(c.phases(batch_for(cfg, int(batch_rows)))))
+    return name, Contender(name, zj.make_mesh(), cfg), batch_for(cfg, int(batch_rows))
+
+
+def child_breakdown() -> None:
+    """In a fresh process: one contender's first step in its phases, printed as JSON."""
+    _, c, batch = child_contender(BREAKDOWN_CHILD)
+    print(json.dumps(c.phases(batch)))
 
 
 def breakdown_table(args) -> dict:
@@ -251,7 +261,7 @@ def breakdown_table(args) -> dict:
         for layers in args.layers:
             for name in args.contenders:
                 env = dict(os.environ, **PASS_LOG)
-                env[BREAKDOWN_CHILD] = f"{name},{layers},{kind},{args.vocab},{args.d},{args.seq},{args.batch}"
+                env[BREAKDOWN_CHILD] = child_spec(name, layers, kind, args)
                 res = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, check=True,
                                      capture_output=True, text=True)
                 row = json.loads(res.stdout.strip().splitlines()[-1])
@@ -281,10 +291,8 @@ def phase_slopes(rows: dict, kind: str, layers, contenders, phase: str) -> dict:
 
 def child_first_step() -> None:
     """In a fresh process: one contender's first step, printed as JSON."""
-    name, layers, vocab, d, seq, batch_rows = os.environ[CHILD].split(",")
-    cfg = GPTConfig(vocab=int(vocab), n_layer=int(layers), d_model=int(d), n_head=4, seq_len=int(seq))
-    c = Contender(name, zj.make_mesh(), cfg)
-    print(json.dumps({"name": name, "first_step_s": c.first_step(batch_for(cfg, int(batch_rows)))}))
+    name, c, batch = child_contender(CHILD)
+    print(json.dumps({"name": name, "first_step_s": c.first_step(batch)}))
 
 
 def cache_figures(args) -> dict:
@@ -296,7 +304,7 @@ def cache_figures(args) -> dict:
         for name in (("s3",) if args.smoke else ("s3", "fsdp")):
             runs = []
             for _ in ("cold", "warm"):
-                env[CHILD] = f"{name},{layers},{args.vocab},{args.d},{args.seq},{args.batch}"
+                env[CHILD] = child_spec(name, layers, "loop", args)
                 res = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, check=True,
                                      capture_output=True, text=True)
                 runs.append(json.loads(res.stdout.strip().splitlines()[-1])["first_step_s"])

@@ -21,12 +21,10 @@ import time
 
 import pytest
 
+from zerojax._compat import CACHE_HIT_EVENT, COMPILE_EVENT, TRACE_EVENTS
+
 FILE_LIMIT = 60.0  # seconds a test file may take in the full run unless BUDGET names it
 TEST_LIMIT = 20.0  # seconds one test (set-up, call and tear-down) may take
-
-COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
-TRACE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration")
-CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 
 FIELDS = ("seconds", "programs", "cache_hits", "compile_s", "trace_s", "subprocesses")
 

@@ -8,6 +8,7 @@ import numpy as np
 import optax
 
 from zerojax._compat import count_compiles  # noqa: F401 - the tests' compile counter
+from zerojax.runtime._launch import with_device_count, without_device_count
 
 VOCAB, EMB, HID, OUT = 67, 12, 20, 5
 
@@ -17,10 +18,8 @@ def child_env(devices=None, **extra) -> dict:
     (its faster compile) but not its device count, which the child sets itself or takes from
     ``devices``; on the CPU."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", **extra)
-    flags = [f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
-    if devices is not None:
-        flags.append(f"--xla_force_host_platform_device_count={devices}")
-    env["XLA_FLAGS"] = " ".join(flags)
+    flags = env.get("XLA_FLAGS", "")
+    env["XLA_FLAGS"] = without_device_count(flags) if devices is None else with_device_count(flags, devices)
     return env
 
 

@@ -118,6 +118,9 @@ def cost_analysis(compiled) -> dict:
 
 # the event JAX records for each program it compiles (or reads from the persistent cache)
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+# ... for tracing a function to a jaxpr and lowering it to MLIR, and for a persistent-cache hit
+TRACE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration")
+CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 
 
 @contextlib.contextmanager

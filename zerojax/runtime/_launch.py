@@ -149,10 +149,14 @@ class Rank:
     remote: bool = False
 
 
+def without_device_count(xla_flags: str) -> str:
+    """XLA_FLAGS without its simulated CPU device count (the other flags kept, in order)."""
+    return " ".join(re.sub(r"--xla_force_host_platform_device_count=\S*", "", xla_flags).split())
+
+
 def with_device_count(xla_flags: str, count: int) -> str:
     """XLA_FLAGS with the simulated CPU device count set to ``count`` (replacing any inherited one)."""
-    kept = re.sub(r"--xla_force_host_platform_device_count=\S*", "", xla_flags).split()
-    return " ".join(kept + [f"--xla_force_host_platform_device_count={count}"])
+    return " ".join(without_device_count(xla_flags).split() + [f"--xla_force_host_platform_device_count={count}"])
 
 
 def forwarded_env(environ) -> dict:

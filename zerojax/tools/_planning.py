@@ -47,6 +47,7 @@ from zerojax._errors import ConfigError, ZeroJaxError
 from zerojax._mesh import make_mesh
 from zerojax.models import gpt
 from zerojax.models.gpt import GPTConfig
+from zerojax.runtime._launch import with_device_count
 from zerojax.stages._zeropp import node_size
 from zerojax._state import abstract_train_state
 from zerojax._step import make_train_step
@@ -277,8 +278,7 @@ if it is an import error, the callables must be importable from the child (see z
 
 def _child_env(n: int) -> Dict[str, str]:
     env = dict(os.environ)
-    flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
-    env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={n}"])
+    env["XLA_FLAGS"] = with_device_count(env.get("XLA_FLAGS", ""), n)
     env["JAX_PLATFORMS"] = "cpu"
     # the child must import what the parent can: the same module search path
     env["PYTHONPATH"] = os.pathsep.join([p or os.getcwd() for p in sys.path])

@@ -46,10 +46,42 @@ def test_a_setting_off_by_an_ulp_is_not_rounded_to_a_neighbour():
 
 
 
-def test_recognition_compiles_a_handful_of_programs():
+@pytest.mark.parametrize("make_tx,recipe", [
+    (lambda: optax.adamw(1.23e-3, weight_decay=0.021), "adam_recipe"),
+    (lambda: optax.inject_hyperparams(optax.adamw)(learning_rate=1.23e-3), "adam_recipe"),
+    (lambda: optax.sgd(1.23e-3, momentum=0.9), "momentum_recipe"),
+    (lambda: optax.lion(1.23e-3), None),  # its b1 search is a second probe program
+])
+def test_recognition_and_the_gated_check_compile_two_programs(make_tx, recipe):
+    """A step's build recognises its optimizer and checks its gated pass: one program probes the
+    settings (none for injected ones; Lion's b1 a second), one checks the rule and the pass together. Op-by-op
+    probing compiled 36 programs in a new process; separate checks 9 or more."""
+    from zerojax.stages import _adam, _momentum
+
     jax.clear_caches()
+    tx = make_tx()
     with count_compiles() as seen:
-        opt = _recognize._recognize(optax.adamw(1.23e-3, weight_decay=0.021))
-    assert opt is not None and opt.kind == "adam"
-    # op-by-op probing compiled 36 programs in a new process; jitted probes a handful
-    assert len(seen) <= 8, seen
+        if recipe is None:
+            opt = _recognize._recognize(tx)
+        else:
+            assert getattr({"adam_recipe": _adam, "momentum_recipe": _momentum}[recipe], recipe)(tx) is not None
+            opt = _recognize.recognize(tx)  # remembered: nothing more compiled
+    assert opt is not None
+    assert len(seen) <= (1 if opt.injected else 2) + (opt.kind == "lion"), seen
+
+
+def test_a_pass_that_differs_from_optax_is_not_used():
+    """The gated pass is checked against the optimizer's own update: one that is off by a little
+    (here, a learning rate 1e-5 relative too large) is refused while the recognition stands."""
+    from zerojax.stages._adam import AdamRecipe, gated_adam
+
+    tx = optax.adamw(1e-3, weight_decay=0.01)
+
+    def off(opt):
+        wrong = AdamRecipe(dict(opt.constants, learning_rate=opt.constants["learning_rate"] * (1 + 1e-5)))
+        return lambda *a: gated_adam(wrong, tx, *a)
+
+    opt, exact = _recognize._find(tx, off)
+    assert opt is not None and opt.kind == "adam" and not exact
+    opt, exact = _recognize._find(tx, lambda o: lambda *a: gated_adam(AdamRecipe(o.constants), tx, *a))
+    assert exact

@@ -23,11 +23,9 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from zerojax.stages._gating import (
-    agrees_with_optax,
     find_node,
     per_transformation,
     replace_node,
@@ -36,7 +34,7 @@ from zerojax.stages._gating import (
     unzip_leaves,
     zero_unless,
 )
-from zerojax.update._recognize import init_shape, recognize
+from zerojax.update._recognize import recognize_with_pass
 
 __all__ = ["AdamRecipe", "adam_node", "adam_recipe", "gated_adam", "step_hyperparams"]
 
@@ -97,44 +95,18 @@ def gated_adam(recipe: AdamRecipe, tx, params, grads, opt_state, apply):
 # ------------------------------------------------------------------ recognising
 
 
-def _probes(shape=(6,)):
-    """Probe states: ordinary values after four updates, and, at the first update, moments whose
-    update is huge (a global clip or a trust ratio downstream of Adam shows)."""
-    rng = np.random.default_rng(0)
-    # params small next to the step, so an lr off by 1e-6 shows in the new params
-    ordinary = [rng.normal(size=shape) * 1e-5, rng.normal(size=shape), rng.normal(size=shape) * 0.1,
-                rng.random(shape) * 0.01 + 1e-4]
-    extreme = [rng.normal(size=shape) * 1e-5, rng.normal(size=shape) * 1e-10, np.full(shape, 1.0),
-               np.full(shape, 1e-20)]
-    for count, values in ((4, ordinary), (0, extreme)):
-        yield count, *(jnp.asarray(a, jnp.float32) for a in values)
-
-
-def _verified(recipe: AdamRecipe, tx) -> bool:
-    node = adam_node(init_shape(tx))
-    if node is None or node.mu["x"].dtype != jnp.float32 or node.nu["x"].dtype != jnp.float32:
-        return False
-    init = jax.jit(tx.init)
-    cases = []
-    for count, p, g, m, v in _probes():
-        params, grads = {"x": p}, {"x": g}
-        state = init(params)
-        node = adam_node(state)
-        state = replace_node(state, node._replace(count=jnp.asarray(count, node.count.dtype), mu={"x": m},
-                                                   nu={"x": v}))
-        if hasattr(state, "count") and hasattr(state, "hyperparams"):
-            state = state._replace(count=jnp.asarray(count, state.count.dtype))
-        cases.append((params, grads, state))
-    return agrees_with_optax(tx, lambda *a: gated_adam(recipe, tx, *a), cases)
-
-
 @per_transformation
 def adam_recipe(tx) -> Optional[AdamRecipe]:
     """An :class:`AdamRecipe` when ``tx`` is an Adam/AdamW (as :func:`zerojax.update._recognize.recognize`
-    finds it) that this pass reproduces exactly (checked on probes), else None (the caller keeps
-    the general path). Remembered per transformation."""
-    opt = recognize(tx)
-    if opt is None or opt.kind != "adam":
-        return None
-    recipe = AdamRecipe(opt.constants)
-    return recipe if _verified(recipe, tx) else None
+    finds it) that this pass reproduces exactly (checked on the recognition's probes, extreme
+    ones included, in the same program), else None (the caller keeps the general path).
+    Remembered per transformation."""
+
+    def gated(opt):
+        if opt.kind != "adam":
+            return None
+        recipe = AdamRecipe(opt.constants)
+        return lambda *a: gated_adam(recipe, tx, *a)
+
+    opt, exact = recognize_with_pass(tx, gated)
+    return AdamRecipe(opt.constants) if exact else None

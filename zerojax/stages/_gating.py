@@ -1,7 +1,8 @@
 """What the gated update passes share (:mod:`zerojax.stages._adam`, :mod:`zerojax.stages._momentum`):
 finding the one stateful transformation of a chain, bare or injected; advancing its scalars
 (counts, hyperparameters, schedules) on an applied step only; the gradient zeroed on a skipped
-one; and checking a pass against the optimizer's own ``tx.update``.
+one (a pass is checked against the optimizer's own ``tx.update`` where it is recognised:
+:func:`zerojax.update._recognize.recognize_with_pass`).
 """
 from __future__ import annotations
 
@@ -9,13 +10,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from zerojax._compat import same_memory_space
 from zerojax.update._recognize import with_node as replace_node  # one home for the chain's first state
 
-__all__ = ["agrees_with_optax", "find_node", "per_transformation", "replace_node", "scalar_step",
+__all__ = ["find_node", "per_transformation", "replace_node", "scalar_step",
            "select_scalars", "unzip_leaves", "zero_unless"]
 
 
@@ -78,29 +78,6 @@ def zero_unless(apply, g):
 def unzip_leaves(like, out, i):
     """The ``i``-th of the tuples a leafwise map over ``like``'s structure returned, as a tree."""
     return jax.tree_util.tree_map(lambda _, o: o[i], like, out)
-
-
-def agrees_with_optax(tx, gated, cases) -> bool:
-    """Whether ``gated(params, grads, state, True)`` gives the params and state (every leaf) that
-    ``tx.update`` and ``optax.apply_updates`` give, to 1e-6, for every ``(params, grads, state)``
-    of ``cases`` (one structure and shape: both sides run in one program, compiled once)."""
-
-    @jax.jit
-    def both(params, grads, state):
-        u, want = tx.update(grads, state, params)
-        got_p, got = gated(params, grads, state, jnp.asarray(True))
-        return (jax.tree_util.tree_leaves((optax.apply_updates(params, u), want)),
-                jax.tree_util.tree_leaves((got_p, got)))
-
-    for params, grads, state in cases:
-        want, got = both(params, grads, state)
-        if len(want) != len(got):
-            return False
-        for a, b in zip(want, got):
-            a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-            if a.shape != b.shape or not np.allclose(a, b, rtol=1e-6, atol=0):
-                return False
-    return True
 
 
 def per_transformation(fn):

@@ -15,11 +15,9 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from zerojax.stages._gating import (
-    agrees_with_optax,
     find_node,
     per_transformation,
     replace_node,
@@ -28,7 +26,7 @@ from zerojax.stages._gating import (
     unzip_leaves,
     zero_unless,
 )
-from zerojax.update._recognize import init_shape, recognize
+from zerojax.update._recognize import recognize_with_pass
 
 __all__ = ["MomentumRecipe", "gated_momentum", "momentum_recipe"]
 
@@ -65,28 +63,16 @@ def gated_momentum(recipe: MomentumRecipe, tx, params, grads, opt_state, apply):
     return new_p, replace_node(scalars, _node(scalars)._replace(trace=trace))
 
 
-def _verified(recipe: MomentumRecipe, tx) -> bool:
-    node = _node(init_shape(tx))
-    if node is None or node.trace["x"].dtype != jnp.float32:
-        return False
-    init = jax.jit(tx.init)
-    rng = np.random.default_rng(0)
-    cases = []
-    for scale in (1.0, 1e-10):  # ordinary, and gradients that vanish next to the trace
-        params = {"x": jnp.asarray(rng.normal(size=6) * 1e-5, jnp.float32)}
-        grads = {"x": jnp.asarray(rng.normal(size=6) * scale, jnp.float32)}
-        state = init(params)
-        state = replace_node(state, _node(state)._replace(trace={"x": jnp.asarray(rng.normal(size=6), jnp.float32)}))
-        cases.append((params, grads, state))
-    return agrees_with_optax(tx, lambda *a: gated_momentum(recipe, tx, *a), cases)
-
-
 @per_transformation
 def momentum_recipe(tx) -> Optional[MomentumRecipe]:
     """A :class:`MomentumRecipe` when ``tx`` is an SGD with momentum this module reproduces
-    exactly (checked on probes), else None."""
-    opt = recognize(tx)
-    if opt is None or opt.kind != "sgd" or opt.nesterov or not opt.slots:
-        return None
-    recipe = MomentumRecipe(opt.constants)
-    return recipe if _verified(recipe, tx) else None
+    exactly (checked on the recognition's probes, in the same program), else None."""
+
+    def gated(opt):
+        if opt.kind != "sgd" or opt.nesterov or not opt.slots:
+            return None
+        recipe = MomentumRecipe(opt.constants)
+        return lambda *a: gated_momentum(recipe, tx, *a)
+
+    opt, exact = recognize_with_pass(tx, gated)
+    return MomentumRecipe(opt.constants) if exact else None

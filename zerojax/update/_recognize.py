@@ -20,7 +20,7 @@ optimizer in place of another.
 """
 from __future__ import annotations
 
-import functools
+import collections
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -31,7 +31,7 @@ import optax
 
 from zerojax._errors import OptimizerError
 
-__all__ = ["Optimizer", "StepSettings", "describe", "direction", "init_shape", "node_of", "recognize", "refuse", "rule",
+__all__ = ["Optimizer", "StepSettings", "describe", "direction", "init_shape", "node_of", "recognize", "recognize_with_pass", "refuse", "rule",
            "settings_of", "with_node"]
 
 # the state node of each kind's stateful transformation and the moments it holds
@@ -217,19 +217,34 @@ class StepSettings:
 # ------------------------------------------------------------------ probing constant settings
 
 
-def _first_update(tx, g, p):
-    """``tx.update(g, tx.init(p), p)``, each jitted (one program each, not one per operation);
-    the initial state is an input of the update, so nothing in it is folded at compile time."""
-    return jax.jit(tx.update)(g, jax.jit(tx.init)(p), p)
+def _updater(tx, kind):
+    """``(g, p, moments) -> tx.update(g, state, p)`` as numpy, one jitted program: the state is
+    ``tx.init(p)`` with ``kind``'s moments replaced by ``moments`` (a dict of arrays, or None),
+    held behind an optimization barrier so nothing in it is folded at compile time (the update's
+    arithmetic is what it is on any state). Probing compiles this one program, not one per
+    operation, and calls of one shape reuse it."""
+
+    @jax.jit
+    def run(g, p, moments):
+        state = tx.init(p)
+        if moments:
+            state = with_node(state, node_of(state, kind)._replace(**{k: {"x": v} for k, v in moments.items()}))
+        return tx.update(g, jax.lax.optimization_barrier(state), p)
+
+    return lambda g, p, moments=None: jax.device_get(run(g, p, moments or {}))
+
+
+def _run_update(tx, kind, g, p, moments=None):
+    return _updater(tx, kind)(g, p, moments)
 
 
 def _probe_adam(tx) -> Optional[dict]:
     t, big = 1e-8, 1e3
     # [0]: the learning rate; [1]: against [0], the weight decay; [2]: against [0], eps;
     # [3]: a zero gradient, so the decay alone (when eps > 0 keeps the Adam term at 0)
-    p = {"x": jnp.array([0.0, big, 0.0, big], jnp.float32)}
-    g = {"x": jnp.array([1.0, 1.0, t, 0.0], jnp.float32)}
-    u, after = _first_update(tx, g, p)
+    p = {"x": np.array([0.0, big, 0.0, big], np.float32)}
+    g = {"x": np.array([1.0, 1.0, t, 0.0], np.float32)}
+    u, after = _run_update(tx, "adam", g, p)
     node = node_of(after, "adam")
     b1 = 1.0 - float(node.mu["x"][0])
     b2 = 1.0 - float(node.nu["x"][0])
@@ -267,16 +282,14 @@ def _snap(x: float, ulps: int = 4) -> float:
 
 
 def _probe_sgd(tx) -> Optional[dict]:
-    p = {"x": jnp.zeros((2,), jnp.float32)}
-    state = tx.init(p)
-    node = node_of(state, "sgd")
-    if node is None:  # plain SGD: u = -lr g
-        u, _ = tx.update({"x": jnp.array([1.0, 2.0], jnp.float32)}, state, p)
+    p = {"x": np.zeros((2,), np.float32)}
+    if node_of(init_shape(tx), "sgd") is None:  # plain SGD: u = -lr g
+        u, _ = _run_update(tx, "sgd", {"x": np.array([1.0, 2.0], np.float32)}, p)
         return {"learning_rate": _snap(-float(u["x"][0])), "momentum": 0.0}
     # trace [0, 1], gradient [1, 0]: the new trace is [1, m]; the update is -lr [1, m], or with
     # Nesterov's momentum -lr [1 + m, m^2]
-    state = with_node(state, node._replace(trace={"x": jnp.array([0.0, 1.0], jnp.float32)}))
-    u, after = tx.update({"x": jnp.array([1.0, 0.0], jnp.float32)}, state, p)
+    u, after = _run_update(tx, "sgd", {"x": np.array([1.0, 0.0], np.float32)}, p,
+                           {"trace": np.array([0.0, 1.0], np.float32)})
     m = float(np.asarray(node_of(after, "sgd").trace["x"], np.float64)[1])
     u = np.asarray(u["x"], np.float64)
     if u[0] == 0:
@@ -287,8 +300,8 @@ def _probe_sgd(tx) -> Optional[dict]:
 
 
 def _probe_lion(tx) -> Optional[dict]:
-    p = {"x": jnp.array([0.0, 1e3], jnp.float32)}
-    u, after = tx.update({"x": jnp.array([1.0, 1.0], jnp.float32)}, tx.init(p), p)
+    p = {"x": np.array([0.0, 1e3], np.float32)}
+    u, after = _run_update(tx, "lion", {"x": np.array([1.0, 1.0], np.float32)}, p)
     b2 = 1.0 - float(node_of(after, "lion").mu["x"][0])
     u = np.asarray(u["x"], np.float64)
     lr = -u[0]
@@ -296,18 +309,14 @@ def _probe_lion(tx) -> Optional[dict]:
         return None
     wd = (-u[1] / lr - 1.0) / 1e3
     # b1 enters through a sign only: find where sign((1 - b1) g + b1 m) flips for m = 1, g = -x,
-    # x = b1 / (1 - b1), narrowing a grid of candidates four times
+    # x = b1 / (1 - b1), narrowing a grid of candidates four times (one program, compiled once)
+    n = 63
+    q, ones, update = {"x": np.zeros((n,), np.float32)}, {"mu": np.ones((n,), np.float32)}, _updater(tx, "lion")
     lo, hi = 0.0, 1.0
     for _ in range(4):
-        b1s = np.linspace(lo, hi, 65)[1:-1]
-        xs = b1s / (1 - b1s)
-        n = len(xs)
-        q = {"x": jnp.zeros((n,), jnp.float32)}
-        st = tx.init(q)
-        st = with_node(st, node_of(st, "lion")._replace(mu={"x": jnp.ones((n,), jnp.float32)}))
-        uu, _ = tx.update({"x": jnp.asarray(-xs, jnp.float32)}, st, q)
-        pos = np.asarray(uu["x"]) < 0  # sign(c) > 0 -> update -lr: b1 > candidate's
-        k = int(pos.sum())  # candidates below b1
+        b1s = np.linspace(lo, hi, n + 2)[1:-1]
+        uu, _ = update({"x": np.asarray(-(b1s / (1 - b1s)), np.float32)}, q, ones)
+        k = int((np.asarray(uu["x"]) < 0).sum())  # sign(c) > 0 -> update -lr: b1 > candidate's; k below b1
         lo, hi = (b1s[k - 1] if k else lo), (b1s[k] if k < n else hi)
     return {"learning_rate": _snap(lr), "b1": float(np.float32((lo + hi) / 2)), "b2": b2,
             "weight_decay": _snap(wd)}
@@ -327,7 +336,7 @@ def _probe_values(kind, slots, shape=(6,)):
     extreme += [np.full(shape, 1.0) if s != "nu" else np.full(shape, 1e-20) for s in slots]
     huge = [rng.normal(size=shape), rng.normal(size=shape) * 1e4] + [rng.normal(size=shape) for _ in slots]
     for count, values in ((4, ordinary), (0, extreme), (1, huge)):
-        yield count, [jnp.asarray(np.abs(a) if s == "nu" else a, jnp.float32)
+        yield count, [np.asarray(np.abs(a) if s == "nu" else a, np.float32)
                       for s, a in zip(("p", "g") + tuple(slots), values)]
 
 
@@ -336,14 +345,18 @@ def _close(a, b) -> bool:
     return a.shape == b.shape and bool(np.allclose(a, b, rtol=1e-6, atol=0))
 
 
-def _verified(opt: Optimizer, tx) -> bool:
-    """``tx``'s update against :func:`rule` on the probe values. Both run in one jitted program
-    (the probes share its shapes): probing compiles once, not once per operation."""
+def _verified(opt: Optimizer, tx, gated=None) -> tuple:
+    """``(rule_ok, gated_ok)``: ``tx``'s update against :func:`rule` on the probe values and,
+    when ``gated`` (``(params, grads, state, apply) -> (params, state)``, a pass that claims to
+    update as ``tx`` does) is given, that pass's params and state (every leaf: moments, counts,
+    hyperparameters) against ``tx.update`` and ``optax.apply_updates``. Everything runs in one
+    jitted program (the probes share its shapes): checking compiles once, not once per
+    operation or per check."""
     slots = opt.slots
     shape = init_shape(tx)
     node = node_of(shape, opt.kind) if slots else None
     if slots and (node is None or any(getattr(node, s)["x"].dtype != jnp.float32 for s in slots)):
-        return False
+        return False, False
     set_count = bool(slots) and "count" in node._fields
     injected_count = getattr(shape, "hyperparams", None) is not None and "count" in shape._fields
 
@@ -362,14 +375,22 @@ def _verified(opt: Optimizer, tx) -> bool:
         hp = settings_of(opt, _numeric(getattr(after, "hyperparams", {})))
         new_p, new_slots = rule(opt, hp, count + 1, p, g, tuple(moments))
         after_node = node_of(after, opt.kind) if slots else None
-        return (optax.apply_updates({"x": p}, u)["x"], new_p,
-                tuple(getattr(after_node, s)["x"] for s in slots), new_slots)
+        applied = optax.apply_updates({"x": p}, u)
+        checks = ((applied["x"], new_p), (tuple(getattr(after_node, s)["x"] for s in slots), new_slots))
+        if gated is None:
+            return checks, ()
+        got = gated({"x": p}, {"x": g}, state, jnp.asarray(True))
+        return checks, (jax.tree_util.tree_leaves((applied, after)), jax.tree_util.tree_leaves(got))
 
+    rule_ok, gated_ok = True, gated is not None
     for count, (p, g, *moments) in _probe_values(opt.kind, slots):
-        want_p, got_p, want_slots, got_slots = both(jnp.asarray(count, jnp.int32), p, g, tuple(moments))
-        if not _close(want_p, got_p) or any(not _close(a, b) for a, b in zip(want_slots, got_slots)):
-            return False
-    return True
+        checks, pass_check = both(np.int32(count), p, g, tuple(moments))
+        (want_p, got_p), (want_slots, got_slots) = checks
+        rule_ok = rule_ok and _close(want_p, got_p) and all(_close(a, b) for a, b in zip(want_slots, got_slots))
+        if gated_ok:
+            want, got = pass_check
+            gated_ok = len(want) == len(got) and all(_close(a, b) for a, b in zip(want, got))
+    return rule_ok, gated_ok and rule_ok
 
 
 def _candidates(tx):
@@ -394,26 +415,88 @@ def _candidates(tx):
         yield Optimizer(kind, constants, injected, nesterov, slots)
 
 
-def _recognize(tx) -> Optional[Optimizer]:
+def _checked(opt: Optimizer, tx, make_gated) -> tuple:
+    """:func:`_verified` with the pass ``make_gated(opt)`` builds (None: none to check); a pass
+    that cannot even be traced on the probes does not agree, and the rule is checked alone."""
+    gated = make_gated(opt) if make_gated is not None else None
+    if gated is None:
+        return _verified(opt, tx)
+    try:
+        return _verified(opt, tx, gated)
+    except Exception:  # noqa: BLE001 - the pass does not fit this optimizer's state
+        return _verified(opt, tx)[0], False
+
+
+def _find(tx, make_gated=None) -> tuple:
+    """``(optimizer or None, whether make_gated's pass agrees)``."""
     try:
         for opt in _candidates(tx):
-            if _verified(opt, tx):
-                return opt
+            rule_ok, gated_ok = _checked(opt, tx, make_gated)
+            if rule_ok:
+                return opt, gated_ok
     except Exception:  # noqa: BLE001 - an optimizer the probes cannot drive is not recognised
-        return None
-    return None
+        return None, False
+    return None, False
 
 
-_cache = functools.lru_cache(maxsize=256)(_recognize)
+def _recognize(tx) -> Optional[Optimizer]:
+    return _find(tx)[0]
+
+
+class _Remembered:
+    """Recognitions per transformation, the last 256 (an unhashable transformation is probed
+    each time)."""
+
+    def __init__(self, size: int = 256):
+        self._found, self._size = collections.OrderedDict(), size
+
+    def get(self, tx):
+        """``(known, optimizer)``."""
+        try:
+            if tx in self._found:
+                self._found.move_to_end(tx)
+                return True, self._found[tx]
+        except TypeError:
+            pass
+        return False, None
+
+    def put(self, tx, opt) -> None:
+        try:
+            self._found[tx] = opt
+        except TypeError:
+            return
+        while len(self._found) > self._size:
+            self._found.popitem(last=False)
+
+    def cache_clear(self) -> None:
+        self._found.clear()
+
+
+_cache = _Remembered()
 
 
 def recognize(tx) -> Optional[Optimizer]:
     """The :class:`Optimizer` ``tx`` is (checked against its own update), else None.
     Remembered per transformation."""
-    try:
-        return _cache(tx)
-    except TypeError:  # an unhashable transformation is probed each time
-        return _recognize(tx)
+    known, opt = _cache.get(tx)
+    if not known:
+        opt = _recognize(tx)
+        _cache.put(tx, opt)
+    return opt
+
+
+def recognize_with_pass(tx, make_gated) -> tuple:
+    """``(recognize(tx), exact)``: ``exact`` says whether the pass ``make_gated(opt)`` builds for
+    the recognised optimizer (``(params, grads, state, apply) -> (params, state)``, or None when
+    it has none for that optimizer) gives what ``tx.update`` and ``optax.apply_updates`` give on
+    the probes, every leaf of the state to 1e-6. The pass is checked in the program that checks
+    the recognition, so a step's build compiles one check, not two."""
+    known, opt = _cache.get(tx)
+    if known:
+        return opt, opt is not None and _checked(opt, tx, make_gated)[1]
+    opt, exact = _find(tx, make_gated)
+    _cache.put(tx, opt)
+    return opt, exact
 
 
 def describe(tx) -> str:

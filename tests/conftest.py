@@ -177,7 +177,7 @@ BUDGET = {
                                 "fresh process compiling every contender from nothing (33-43 s each)",
     "tests/stages/test_collectives.py": "116 s: 31 tests reading the collectives of compiled steps, stage x "
                                         "bucket x prefetch setting (677 programs)",
-    "tests/test_optimizer_table.py": "108 s: 133 cells, every optax optimizer against plain optax on every "
+    "tests/test_optimizer_table.py": "108 s: 145 cells, every optax optimizer against plain optax on every "
                                      "device path (678 programs)",
     "tests/stages/test_zeropp.py": "91 s: every ZeRO++ setting (qwZ, qgZ, hpZ) compiled and checked against "
                                    "stage 3 and plain optax (491 programs)",

@@ -10,6 +10,7 @@ optimizer (the diagonal); the rest of the table is slow.
 import jax
 import numpy as np
 import optax
+import optax.contrib
 import pytest
 
 import zerojax as zj
@@ -31,6 +32,8 @@ OPTIMIZERS = {
     "clip_adamw": lambda: optax.chain(optax.clip_by_global_norm(0.05), optax.adamw(1e-2)),
     "inject_schedule": lambda: optax.inject_hyperparams(optax.adamw)(
         learning_rate=optax.linear_schedule(1e-2, 1e-3, 3), weight_decay=0.05),
+    # update takes extra arguments (grad_fn), not the loss: given none, as by a plain optax loop
+    "sam": lambda: optax.contrib.sam(optax.sgd(5e-2), optax.sgd(1e-2), sync_period=2),
 }
 
 # the element-wise optimizers the host loops (NVMe, ZenFlow) reproduce; the fused kernel runs Adam(W)
@@ -65,7 +68,7 @@ STEPS = 3
 OPTS, NAMES = list(OPTIMIZERS), list(PATHS)
 QUICK = {(NAMES[i], OPTS[i % len(OPTS)]) for i in range(len(NAMES))} | {
     ("nvme", "lion"), ("zenflow", "sgd_momentum"), ("nvme", "adafactor"), ("fused", "lion"),
-    ("partial_offload", "clip_adamw")}
+    ("partial_offload", "clip_adamw"), ("zero_optimizer_offload", "adam")}
 CELLS = [pytest.param(path, opt, marks=() if (path, opt) in QUICK else pytest.mark.slow) for path in NAMES
          for opt in OPTS]
 

@@ -1,4 +1,4 @@
-"""The ``zerojax`` command.
+"""The ``zerojax`` command (``python -m zerojax`` is the same: :mod:`zerojax.__main__`).
 
     zerojax config check ds_config.json --world-size 8 --hidden-size 4096 \\
         --training-args '{"per_device_train_batch_size": 4, "bf16": true}'

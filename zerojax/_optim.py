@@ -11,7 +11,9 @@ the gradients and params, and returns the whole updates::
 
 Gradient clipping from ``config.gradient_clipping`` uses DeepSpeed's coefficient. Precision,
 loss scaling and gradient accumulation belong to ``make_train_step``; this wrapper leaves
-dtypes as given.
+dtypes as given. An inner update that reads the loss (reduce_on_plateau, polyak_sgd, momo) gets
+it as ``tx.update(grads, opt_state, params, value=loss)``, as in optax; a function of the params
+(a line search's ``value_fn``) cannot be called on a partition and is refused by name.
 
 ``offload_optimizer="cpu"`` (ZeRO-Offload): the state is stored in pinned host memory and the
 update is computed on the host
@@ -41,14 +43,16 @@ from jax.sharding import PartitionSpec as P
 import zerojax._placement as placement
 from zerojax._compat import compute_on_host, same_memory_space, to_device_memory
 from zerojax.config import ZeroConfig
-from zerojax._errors import ConfigError, IgnoredKeysWarning, StateError
+from zerojax._errors import ConfigError, IgnoredKeysWarning, OptimizerError, StateError
 from zerojax.kernels import _native as native
 from zerojax._mesh import make_mesh
 from zerojax.offload._host_update import native_adam_pass, on_cpu_mesh
 from zerojax._plan import DEVICE, ZeroPlan
 from zerojax.stages import _collectives as C
 from zerojax.stages._adam import adam_recipe
+from zerojax.stages._update import takes_value
 from zerojax.update._pipeline import clip_gradients, host_or_device
+from zerojax.update._recognize import describe
 
 
 class ZeroOptState(NamedTuple):
@@ -162,12 +166,15 @@ def zero_optimizer(tx: optax.GradientTransformation, *, mesh=None,
         stored = placement.opt_to_storage(plan, tx.init(placement.to_update(plan, split(plan, params))))
         return store(plan, lift(plan, stored) if offload else stored)
 
-    def device_update(plan: ZeroPlan, grads, inner, params):
-        """Partitioned grads/params and the inner state, all padded -> padded updates and state."""
-        new_updates, inner = tx.update(placement.to_update(plan, grads), placement.opt_to_update(plan, inner), placement.to_update(plan, params))
+    def device_update(plan: ZeroPlan, grads, inner, params, value=None):
+        """Partitioned grads/params and the inner state, all padded -> padded updates and state;
+        ``value`` (the loss, None when the inner update does not take it) passed on as given."""
+        extra = {} if value is None else {"value": value}
+        new_updates, inner = tx.update(placement.to_update(plan, grads), placement.opt_to_update(plan, inner),
+                                       placement.to_update(plan, params), **extra)
         return placement.to_storage(plan, new_updates), placement.opt_to_storage(plan, inner)
 
-    def lifted_update(plan: ZeroPlan, grads, inner, params):
+    def lifted_update(plan: ZeroPlan, grads, inner, params, value=None):
         """``device_update`` on the lifted state, under one ``vmap`` (of size 1) per lifted axis,
         mapped over the leaves that mirror a param: their new values come out lifted, with no
         reshape between the moments and their stored form, so XLA updates donated state in
@@ -179,15 +186,15 @@ def zero_optimizer(tx: optax.GradientTransformation, *, mesh=None,
         mirrors = plan.opt_leaf_layouts(treedef.unflatten(lowered), stored=True)
         args = treedef.unflatten([x if lay is not None else low for x, low, lay in zip(leaves, lowered, mirrors)])
         axes = treedef.unflatten([None if lay is None else 0 for lay in mirrors])
-        update = functools.partial(device_update, plan)
+        update = functools.partial(device_update, plan, value=value)  # the loss: unmapped
         for _ in range(k):
             update = jax.vmap(update, in_axes=(0, axes, 0))
         new_updates, new = update(lift(plan, grads), args, lift(plan, params))
         return jax.tree_util.tree_map(lambda x: x.reshape(x.shape[k:]), new_updates), new
 
-    def host_update(plan: ZeroPlan):
+    def host_update(plan: ZeroPlan, value=None):
         def on_host(grads, inner, params):
-            updates, new = lifted_update(plan, grads, inner, params)
+            updates, new = lifted_update(plan, grads, inner, params, value)
             # values the optimizer makes from constants are typed as device values: home them
             return updates, jax.tree_util.tree_map(same_memory_space, new, inner)
         return compute_on_host(on_host)
@@ -220,7 +227,7 @@ def zero_optimizer(tx: optax.GradientTransformation, *, mesh=None,
                                     for x, lay in zip(new_leaves, mirrors)])
         return us, store(plan, stored)
 
-    def offloaded_update(plan: ZeroPlan, grads, state: ZeroOptState, params):
+    def offloaded_update(plan: ZeroPlan, grads, state: ZeroOptState, params, value=None):
         """The update on the host: partitions to host memory, updates back to device memory."""
         recipe = native_recipe(plan, grads, params)
         if recipe is not None:
@@ -228,17 +235,17 @@ def zero_optimizer(tx: optax.GradientTransformation, *, mesh=None,
         to_host = plan.map(lambda lay, x: jax.device_put(x, plan.master_sharding(lay)), grads)
         params_host = plan.map(lambda lay, x: jax.device_put(x, plan.master_sharding(lay)), params)
         def on_host():
-            updates, stored = host_update(plan)(to_host, state.inner, params_host)
+            updates, stored = host_update(plan, value)(to_host, state.inner, params_host)
             return plan.map(lambda lay, x: jax.device_put(
                 x, plan.master_sharding(lay).with_memory_kind(DEVICE)), updates), stored
 
         def on_device():
-            return lifted_update(plan, grads, jax.tree_util.tree_map(to_device_memory, state.inner), params)
+            return lifted_update(plan, grads, jax.tree_util.tree_map(to_device_memory, state.inner), params, value)
 
         updates, stored = host_or_device(on_host, on_device, "zero_optimizer(offload_optimizer='cpu')", stacklevel=6)
         return updates, store(plan, stored)
 
-    def update_fn(updates, state: ZeroOptState, params=None):
+    def update_fn(updates, state: ZeroOptState, params=None, value=None):
         if params is None:
             raise ConfigError("zero_optimizer.update needs params (the partition to update is cut from them)")
         plan = plan_for(params)
@@ -246,9 +253,9 @@ def zero_optimizer(tx: optax.GradientTransformation, *, mesh=None,
         grads = clip_gradients(config, split(plan, updates))  # padding adds zeros to the norm
         local_params = split(plan, params)
         if offload:
-            new_updates, state = offloaded_update(plan, grads, state, local_params)
+            new_updates, state = offloaded_update(plan, grads, state, local_params, value)
         else:
-            new_updates, stored = device_update(plan, grads, state.inner, local_params)
+            new_updates, stored = device_update(plan, grads, state.inner, local_params, value)
             state = store(plan, stored)
         whole = C.gather_tree(plan, new_updates, plan.opt_partitioned)
         return whole, state
@@ -261,9 +268,23 @@ def zero_optimizer(tx: optax.GradientTransformation, *, mesh=None,
     def init(params):
         return jit_init(params)
 
-    def update(updates, state, params=None):
+    def _value(extra_args):
+        """The loss for an inner update that takes it (:func:`takes_value`); extra arguments are
+        dropped for an inner optimizer without any, as optax's chain drops them."""
+        if not isinstance(tx, optax.GradientTransformationExtraArgs):
+            return None
+        other = sorted(set(extra_args) - {"value"})
+        if other:
+            raise OptimizerError(
+                f"zero_optimizer.update(..., {', '.join(f'{k}=' for k in other)}): the inner optimizer "
+                f"({describe(tx)}) runs on each device's partition of the params, so a function of the params "
+                "(a line search's value_fn, sam's grad_fn, Sophia's obj_fn) cannot be called from it; only value= "
+                "(the loss) is passed on. Fix: pass only value=, or use an optimizer that needs no such argument")
+        return extra_args.get("value") if takes_value(tx) else None
+
+    def update(updates, state, params=None, **extra_args):
         if params is None:
             raise ConfigError("zero_optimizer.update needs params (the partition to update is cut from them)")
-        return jit_update(updates, state, params)
+        return jit_update(updates, state, params, _value(extra_args))
 
-    return optax.GradientTransformation(init, update)
+    return optax.GradientTransformationExtraArgs(init, update)

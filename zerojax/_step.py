@@ -18,6 +18,7 @@ from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
+import optax
 
 from zerojax._contract import METRIC_KEYS, Step, StepBase
 from zerojax._errors import OptimizerError, StepOptionError
@@ -44,16 +45,20 @@ def _path_name(state: TrainState) -> str:
 
 
 def _check_extra_args(state: TrainState) -> None:
-    """An optimizer whose ``update`` takes extra arguments gets the step's loss as ``value=``;
-    one that needs more (a line search's ``value_fn`` and ``grad``, Sophia's ``obj_fn``: a
-    function of the params) is refused by name here, before anything is traced for the step."""
+    """An optimizer whose ``update`` takes extra arguments gets the step's loss as ``value=``
+    where it accepts it (:func:`zerojax.stages._update.takes_value`), nothing else. One that
+    needs more (a line search's ``value_fn`` and ``grad``, Sophia's ``obj_fn``, sam's
+    ``grad_fn`` in opaque mode: a function of the params), or a chain that both reads the loss
+    and holds a part refusing ``value=`` (sam), is refused by name here, before anything is
+    traced for the step."""
     tx = state.tx
-    if not takes_value(tx):
+    if not isinstance(tx, optax.GradientTransformationExtraArgs):
         return
     plan = state.plan
+    extra = {"value": jnp.float32(0.0)} if takes_value(tx) else {}
 
     def probe(params):
-        jax.eval_shape(lambda p: tx.update(p, tx.init(p), p, value=jnp.float32(0.0)), params)
+        jax.eval_shape(lambda p: tx.update(p, tx.init(p), p, **extra), params)
 
     try:  # a one-leaf tree first: tracing the update over the whole model costs a trace of it
         probe({"x": jax.ShapeDtypeStruct((6,), jnp.float32)})
@@ -63,12 +68,23 @@ def _check_extra_args(state: TrainState) -> None:
     try:
         probe(plan.treedef.unflatten([jax.ShapeDtypeStruct(lay.shape, jnp.float32) for lay in plan.leaves]))
     except Exception as e:  # noqa: BLE001 - whatever it lacks, the step cannot give it
+        if extra and isinstance(e, TypeError) and "'value'" in str(e):
+            raise OptimizerError(
+                f"this optimizer ({describe(tx)}) cannot be given the loss: its update takes value= (a part of it "
+                f"reads the loss, or it is a chain, which hands value= to every part taking extra arguments), but a "
+                f"part refuses it: {type(e).__name__}: {e}. optax.contrib.sam takes grad_fn only, so a chain of it "
+                "and reduce_on_plateau, polyak_sgd or momo has no update call that serves both. Fix: drop one of "
+                "the two, or wrap the part that refuses value= so its update drops it: "
+                "optax.GradientTransformationExtraArgs(t.init, lambda u, s, p=None, value=None, **kw: "
+                "t.update(u, s, p, **kw))") from e
+        given = "value=<the loss>" if extra else "no extra arguments"
         raise OptimizerError(
             f"this optimizer ({describe(tx)}) needs more than the loss in update(): calling it with "
-            f"value=<the loss> fails with {type(e).__name__}: {e}. make_train_step passes the loss as value= "
-            "(optax.contrib.reduce_on_plateau, polyak_sgd, momo train); line searches (value_fn, grad) and "
-            "Sophia (obj_fn) need a function of the params, which it does not pass. Fix: use an optimizer "
-            "without those arguments, or zj.zero_optimizer in your own loop, calling update with them.") from e
+            f"{given} fails with {type(e).__name__}: {e}. make_train_step passes the loss as value= to an update "
+            "that accepts it (optax.contrib.reduce_on_plateau, polyak_sgd and momo train; optax.contrib.sam, whose "
+            "update takes grad_fn only, trains given nothing); line searches (value_fn, grad), Sophia (obj_fn) and sam in opaque mode (grad_fn) "
+            "need a function of the params, which it does not pass. Fix: use an optimizer without those "
+            "arguments (sam with opaque_mode=False)") from e
 
 
 def make_train_step(loss_fn: Callable, state: TrainState, *, has_aux: bool = False, donate: bool = True,
@@ -101,11 +117,11 @@ def make_train_step(loss_fn: Callable, state: TrainState, *, has_aux: bool = Fal
     if monitors is not None:
         return monitored(make_train_step(loss_fn, state, has_aux=has_aux, donate=donate, check_errors=check_errors,
                                          fused_adam=fused_adam, fused_block_size=fused_block_size), monitors)
+    _check_extra_args(state)
     if isinstance(loss_fn, PipelineModel):  # a pipeline over the mesh's "pipe" axis (zerojax.pipeline)
         return make_pipeline_step(loss_fn, state, donate=donate, check_errors=check_errors, has_aux=has_aux,
                                   fused_adam=fused_adam, fused_block_size=None if fused_block_size == 4096
                                   else fused_block_size)
-    _check_extra_args(state)
     path = _path_name(state)
     if path != "device":
         if fused_adam:

@@ -37,7 +37,7 @@ from zerojax.checkpoint import CheckpointManager, consolidate
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROOT = os.path.dirname(HERE)
 WORKER = os.path.join(HERE, "_dist_worker.py")
-LAUNCH = [sys.executable, "-m", "zerojax.runtime._launch"]
+LAUNCH = [sys.executable, "-m", "zerojax", "launch"]  # as users start it (zerojax/__main__.py)
 LAUNCHER_VARS = ("ZEROJAX_", "WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_")
 
 

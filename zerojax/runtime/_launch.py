@@ -2,7 +2,7 @@
 
     zerojax launch --nproc 2 --devices-per-proc 4 train.py --steps 100    # one host: 2 processes x 4 devices
     zerojax launch --hostfile hosts train.py --steps 100                  # several hosts, over ssh
-    python -m zerojax.runtime._launch ...                                          # the same
+    python -m zerojax launch ...                                          # the same
 
 Each process gets ZEROJAX_COORDINATOR, ZEROJAX_NUM_PROCESSES, ZEROJAX_PROCESS_ID, ZEROJAX_LOCAL_RANK,
 ZEROJAX_LOCAL_WORLD_SIZE and, with ``--devices-per-proc K``, ZEROJAX_LOCAL_DEVICES=K (plus the

@@ -7,6 +7,9 @@ they are stored whole (the Ψ of stages 1–2).
 """
 from __future__ import annotations
 
+import functools
+import inspect
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -20,10 +23,50 @@ from zerojax._state import TrainState
 __all__ = ["master_view", "optax_update", "params_from_master", "takes_value"]
 
 
+def _update_accepts(tx, **extra) -> bool:
+    """Whether ``tx.update(g, tx.init(p), p, **extra)`` traces on a one-leaf tree."""
+    probe = {"x": jax.ShapeDtypeStruct((6,), jnp.float32)}
+    try:
+        jax.eval_shape(lambda p: tx.update(p, tx.init(p), p, **extra), probe)
+    except Exception:  # noqa: BLE001 - any failure: the call does not serve this transformation
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=64)
+def _opaque_takes_value(tx) -> bool:
+    # refused only where value= is what breaks the update (else make_train_step's check reports it)
+    return _update_accepts(tx, value=jnp.float32(0.0)) or not _update_accepts(tx)
+
+
 def takes_value(tx) -> bool:
-    """Whether ``tx.update`` takes extra arguments (optax's ``GradientTransformationExtraArgs``),
-    to which a step passes its loss as ``value=``."""
-    return isinstance(tx, optax.GradientTransformationExtraArgs)
+    """Whether a step passes its loss to ``tx.update`` as ``value=``.
+
+    Only to a transformation taking extra arguments (optax's ``GradientTransformationExtraArgs``)
+    whose update accepts ``value``: one that names it (reduce_on_plateau, momo) or takes any
+    keyword (``**extra_args``: optax's ``chain`` and ``named_chain``, so polyak_sgd); not to one
+    whose keywords are others only (``optax.contrib.sam``'s ``grad_fn``), which a plain optax
+    loop calls without ``value`` and which would fail on it. A chain hides what its parts take
+    and hands every keyword to every part taking extra arguments: one around sam gets no
+    ``value=`` where its update fails with it on a one-leaf tree and traces without it.
+    Decided from ``tx`` alone, so every path (``make_train_step``'s check, the on-device and
+    host updates, the pipeline, ``zero_optimizer``) agrees."""
+    if not isinstance(tx, optax.GradientTransformationExtraArgs):
+        return False
+    try:
+        parameters = inspect.signature(tx.update).parameters.values()
+    except (TypeError, ValueError):  # no signature to read (a builtin): as an opaque chain
+        parameters = [inspect.Parameter("extra_args", inspect.Parameter.VAR_KEYWORD)]
+    if any(p.name == "value" and p.kind != inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return True
+    if not any(p.kind == inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return False
+    try:
+        hash(tx)
+    except TypeError:  # a transformation built from unhashable callables: probed on every call
+        return _opaque_takes_value.__wrapped__(tx)
+    return _opaque_takes_value(tx)
+
 
 def _split_not_stored_split(plan: ZeroPlan):
     return lambda lay: plan.opt_partitioned(lay) and not lay.params_partitioned
@@ -52,9 +95,8 @@ def optax_update(plan: ZeroPlan, tx, master, grads, opt_state, key=None, value=N
     widened to fp32 for the update, which computes in fp32; the new master is rounded back to
     bf16 (stochastically with ``stochastic_rounding``, from ``key``), the moments to nearest.
 
-    ``value``: the step's loss, passed as ``update(..., value=loss)`` to a transformation that
-    takes extra arguments (``optax.GradientTransformationExtraArgs``: reduce_on_plateau,
-    polyak_sgd, momo)."""
+    ``value``: the step's loss, passed as ``update(..., value=loss)`` to a transformation whose
+    update accepts it (:func:`takes_value`: reduce_on_plateau, polyak_sgd, momo)."""
     current = placement.to_update(plan, master)
     grads = placement.to_update(plan, grads)
     if plan.config.master_weights_dtype is not None:

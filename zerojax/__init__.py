@@ -93,6 +93,11 @@ from zerojax._flax_support import nnx_params as nnx_params
 
 __all__ += ["linen_params", "nnx_params"]
 
+# long sequences: the loss without the whole logits
+from zerojax._tiled_loss import tiled_cross_entropy as tiled_cross_entropy
+
+__all__ += ["tiled_cross_entropy"]
+
 # tensor parallelism from DeepSpeed's "tensor_parallel" block (AutoTP)
 from zerojax._autotp import autotp_describe as autotp_describe
 from zerojax._autotp import autotp_mesh as autotp_mesh

@@ -75,6 +75,9 @@ def render() -> str:
     lines += _block("zero_optimization.offload_optimizer", keys.OFFLOAD_OPTIMIZER)
     lines += _block("zero_optimization.offload_param", keys.OFFLOAD_PARAM)
     lines += _block("zero_optimization.zenflow", keys.ZENFLOW, "The block is kept whole as `ZeroConfig.zenflow`.")
+    lines += _block("activation_checkpointing", keys.ACTIVATION_CHECKPOINTING,
+                    "The block is kept whole as `ZeroConfig.activation_checkpointing` and read by `zj.remat` "
+                    "([long context](long-context.md)).")
     lines += _block("fp16", keys.FP16)
     lines += _block("bf16", keys.BF16)
     lines += ["## Deprecated spellings", "",

@@ -82,7 +82,8 @@ def test_deepspeed_key_table_is_generated_from_the_code():
     assert (DOCS / "deepspeed-keys.md").read_text() == text, \
         "docs/deepspeed-keys.md is out of date: run python docs/gen_deepspeed_keys.py"
     from zerojax.config import _keys as keys
-    for table in (keys.TOP, keys.ZERO, keys.OFFLOAD_OPTIMIZER, keys.OFFLOAD_PARAM, keys.ZENFLOW, keys.FP16, keys.BF16):
+    for table in (keys.TOP, keys.ZERO, keys.OFFLOAD_OPTIMIZER, keys.OFFLOAD_PARAM, keys.ZENFLOW, keys.FP16, keys.BF16,
+                  keys.ACTIVATION_CHECKPOINTING):
         missing = [k for k in table if f"| `{k}` |" not in text]
         assert not missing, f"keys missing from the generated table: {missing}"
 

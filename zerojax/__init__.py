@@ -93,6 +93,13 @@ from zerojax._flax_support import nnx_params as nnx_params
 
 __all__ += ["linen_params", "nnx_params"]
 
+# long sequences: the loss without the whole logits, activation checkpointing
+from zerojax._remat import remat as remat
+from zerojax._remat import remat_policy as remat_policy
+from zerojax._tiled_loss import tiled_cross_entropy as tiled_cross_entropy
+
+__all__ += ["remat", "remat_policy", "tiled_cross_entropy"]
+
 # tensor parallelism from DeepSpeed's "tensor_parallel" block (AutoTP)
 from zerojax._autotp import autotp_describe as autotp_describe
 from zerojax._autotp import autotp_mesh as autotp_mesh

@@ -95,6 +95,10 @@ KEY_VALUES = {
     "gradient_clipping": (0.5, 0.5),
     "train_micro_batch_size_per_gpu": (4, 4),
     "train_batch_size": (8, 8),
+    "activation_checkpointing": ({"cpu_checkpointing": True},
+                                 {"cpu_checkpointing": True, "partition_activations": False,
+                                  "contiguous_memory_optimization": False, "number_checkpoints": None,
+                                  "synchronize_checkpoint_boundary": False, "profile": False}),
 }
 
 

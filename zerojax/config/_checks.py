@@ -12,13 +12,13 @@ from __future__ import annotations
 
 from typing import Optional
 
-from zerojax.config._keys import (BF16, DEPRECATED_ZERO, FP16, MONITORS, OFFLOAD_OPTIMIZER, OFFLOAD_PARAM, OPTIMIZERS,
+from zerojax.config._keys import (ACTIVATION_CHECKPOINTING, BF16, DEPRECATED_ZERO, FP16, MONITORS, OFFLOAD_OPTIMIZER, OFFLOAD_PARAM, OPTIMIZERS,
                                  REFUSED_OPTIMIZERS, TENSOR_PARALLEL, TOP, ZENFLOW, ZERO, ZERO_BLOCKS, Key)
 from zerojax.config._schema import (FIELDS, LOW_PRECISION, Invalid, broken_rules, did_you_mean, invalid_message,
                                    precision_message, rule_message, typo_of)
 from zerojax.config._verdicts import Verdicts
 
-__all__ = ["optimizer_block", "precision_fields", "read_block", "read_monitors", "read_optimizer", "read_top",
+__all__ = ["activation_checkpointing_block", "optimizer_block", "precision_fields", "read_block", "read_monitors", "read_optimizer", "read_top",
            "tensor_parallel_fields", "upgrade_deprecated", "zenflow_block", "zero_fields"]
 
 _DEFAULT_OK = "DeepSpeed's default; zerojax behaves the same"
@@ -321,6 +321,32 @@ def zenflow_block(block, path: str = "zenflow", verdicts: Optional[Verdicts] = N
     if verdicts is None and len(v.refused) > before:
         v.raise_refused()
     return z
+
+
+# --------------------------------------------------------------------------- activation_checkpointing
+def activation_checkpointing_block(block, path: str = "activation_checkpointing", verdicts: Optional[Verdicts] = None,
+                                   autotp_size: int = 1) -> dict:
+    """DeepSpeed's activation_checkpointing block with every key filled in (DeepSpeed's
+    defaults), checked by :data:`zerojax.config._keys.ACTIVATION_CHECKPOINTING`; the one check
+    behind ``ZeroConfig(activation_checkpointing=...)`` and a DeepSpeed file's block. Without
+    ``verdicts``, a refused key raises ConfigError.
+
+    ``partition_activations`` splits DeepSpeed's checkpoints over the model-parallel ranks: at
+    one rank (``autotp_size`` 1) there is nothing to split, in DeepSpeed as here; over AutoTP's
+    "model" axis zerojax does not split them, so it is refused."""
+    v = Verdicts() if verdicts is None else verdicts
+    before = len(v.refused)
+    given = read_block(block, ACTIVATION_CHECKPOINTING, path, v)
+    out = {k: given.get(k, e.default) for k, e in ACTIVATION_CHECKPOINTING.items()}
+    if out["partition_activations"] and autotp_size > 1:
+        v.refuse(f"{path}.partition_activations", f"{path}.partition_activations=True is not supported with "
+                 f"tensor_parallel.autotp_size={autotp_size}: zerojax does not split the saved inputs of a "
+                 "checkpointed block over the \"model\" axis (each model-parallel device keeps them whole). "
+                 'Fix: set it to false; to take the checkpoints off the device, use "cpu_checkpointing": true '
+                 "(pinned host memory)")
+    if verdicts is None and len(v.refused) > before:
+        v.raise_refused()
+    return out
 
 
 # --------------------------------------------------------------------------- fp16 / bf16

@@ -43,7 +43,7 @@ import jax
 from zerojax.config._schedules import resolve_scheduler
 from zerojax.config._auto import Context, args_value, fill_auto, fillable
 from zerojax.config._auto import TrainingArgs as TrainingArgs
-from zerojax.config._checks import (low_precision_rules, precision_fields, read_block, read_optimizer, read_top,
+from zerojax.config._checks import (activation_checkpointing_block, low_precision_rules, precision_fields, read_block, read_optimizer, read_top,
                                    tensor_parallel_fields, upgrade_deprecated, zero_fields)
 from zerojax.config._keys import BF16, FP16, OFFLOAD_OPTIMIZER, OFFLOAD_PARAM, TOP, ZERO
 from zerojax.config._optimizers import optimizer_from_config as optimizer_from_config
@@ -247,6 +247,11 @@ def read_deepspeed(path_or_dict, training_args=None, world_size: Optional[int] =
     low_precision_rules(fields, {**paths, **precision_paths}, v)
     top = read_block({k: cfg[k] for k in ("gradient_clipping", *BATCH_KEYS) if k in cfg}, TOP, "", v)
     fields["gradient_clipping"] = top.get("gradient_clipping", 1.0)
+    fields["activation_checkpointing"] = None  # absent (or null): zj.remat(..., when_configured=True) stays off
+    if cfg.get("activation_checkpointing") is not None:
+        fields["activation_checkpointing"] = activation_checkpointing_block(
+            cfg["activation_checkpointing"], verdicts=v, autotp_size=tp["autotp_size"])
+        v.honour("activation_checkpointing", "-> ZeroConfig.activation_checkpointing (read by zj.remat)")
     optimizer = read_optimizer(cfg["optimizer"], v) if cfg.get("optimizer") is not None else None
     scheduler = None
     if cfg.get("scheduler") is not None:

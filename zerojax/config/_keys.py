@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional
 
 from zerojax.config._schema import FIELDS, NONTRAINABLE, Invalid, boolean, choice, integer, number, optional, string
 
-__all__ = ["BF16", "DEPRECATED_ZERO", "FP16", "Key", "MONITORS", "OFFLOAD_OPTIMIZER", "OFFLOAD_PARAM", "OPTIMIZERS",
+__all__ = ["ACTIVATION_CHECKPOINTING", "BF16", "DEPRECATED_ZERO", "FP16", "Key", "MONITORS", "OFFLOAD_OPTIMIZER", "OFFLOAD_PARAM", "OPTIMIZERS",
            "REFUSED_OPTIMIZERS", "TENSOR_PARALLEL", "TOP", "ZENFLOW", "ZERO", "is_off"]
 
 REMOVED = "was removed from DeepSpeed (0.19.8 refuses it)"
@@ -163,6 +163,26 @@ ZENFLOW: dict = {  # DeepSpeed's ZenFlowConfig; the block is kept whole as ZeroC
     "auto_ratio": Key(0.99, number(0, 1, lo_open=True), "zenflow"),
     "full_warm_up_rounds": Key(0, integer(0), "zenflow"),
     "pt_reserved_cores_perc": Key(0.5, number(0, 1), "zenflow"),
+}
+
+# --------------------------------------------------------------------------- activation_checkpointing
+# DeepSpeed's runtime/activation_checkpointing/config.py; the block is kept resolved as
+# ZeroConfig.activation_checkpointing and read by zj.remat (zerojax._remat) while a step is traced
+ACTIVATION_CHECKPOINTING: dict = {
+    "cpu_checkpointing": Key(False, boolean, "activation_checkpointing"),
+    # DeepSpeed splits the checkpoints over the model-parallel ranks: with one (no AutoTP) there is
+    # nothing to split, as in DeepSpeed; with tensor_parallel.autotp_size > 1 it is refused
+    # (checks.activation_checkpointing_block)
+    "partition_activations": Key(False, boolean, "activation_checkpointing"),
+    "contiguous_memory_optimization": _ignored(False, boolean, "DeepSpeed copies the checkpoints into one "
+                                               "preallocated buffer against fragmentation; XLA assigns every buffer "
+                                               "of the compiled step ahead of time, so nothing fragments"),
+    "number_checkpoints": _ignored(None, optional(integer(1)), "the size of contiguous_memory_optimization's "
+                                   "buffer, which zerojax does not allocate"),
+    "synchronize_checkpoint_boundary": _ignored(False, boolean, "there is no device stream to synchronize: the "
+                                                "compiled step runs its checkpoints in program order"),
+    "profile": _ignored(False, boolean, "the checkpoints run inside one compiled step, where zerojax cannot time "
+                        "them one by one; use wall_clock_breakdown or jax.profiler"),
 }
 
 # --------------------------------------------------------------------------- fp16 / bf16
@@ -321,7 +341,7 @@ TOP: dict = {
                                'Fix: remove "comet" or set "enabled": false, and log with "tensorboard", "wandb" or '
                                '"csv_monitor"'),
     "timers": _ignored(None, None, "zerojax times steps with wall_clock_breakdown", on_off=True),
-    "activation_checkpointing": _ignored(None, None, "use jax.checkpoint (jax.remat) in the model", on_off=True),
+    "activation_checkpointing": Key(field="activation_checkpointing"),  # read by checks.activation_checkpointing_block
     "autotuning": _ignored(None, None, "use zj.autotune", on_off=True),
     "checkpoint": _ignored(None, None, "zerojax's CheckpointManager has its own options", on_off=True),
     "datastates_ckpt": _ignored(None, None, "zerojax's CheckpointManager writes asynchronously", on_off=True),

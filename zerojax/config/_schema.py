@@ -282,6 +282,9 @@ FIELDS: dict[str, FieldSpec] = {f.name: f for f in (
     FieldSpec("scheduler", None, optional(mapping), 'use {"type": "WarmupLR", "params": {...}}', ("scheduler",)),
     FieldSpec("zenflow", None, optional(mapping), 'use {"topk_ratio": 0.1, "update_interval": 4}',
               (f"{_Z}.zenflow",)),
+    FieldSpec("activation_checkpointing", None, optional(mapping), 'use None (off) or {"cpu_checkpointing": false}',
+              ("activation_checkpointing",), doc="DeepSpeed's activation_checkpointing block, every key filled in (None: the block is absent); "
+                  "zj.remat reads it while the step is traced"),
     # ZeRO++ (stage 3)
     FieldSpec("quantized_weights", False, boolean, "use true or false", (f"{_Z}.zero_quantized_weights",),
               stage3_only=True, doc="qwZ: stage-3 weight gathers travel in 8 bits, block-wise scaled"),

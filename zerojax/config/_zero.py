@@ -12,6 +12,7 @@ import dataclasses
 from typing import Any, Optional
 
 from zerojax.config._schema import defaults, validate
+from zerojax.config._checks import activation_checkpointing_block
 from zerojax.config._deepspeed import deepspeed_fields
 from zerojax._precision import LossScaler
 
@@ -71,6 +72,8 @@ class ZeroConfig:
     optimizer: Optional[dict] = _D["optimizer"]
     scheduler: Optional[dict] = _D["scheduler"]
     zenflow: Optional[dict] = _D["zenflow"]
+    # DeepSpeed's activation_checkpointing block, every key filled in (None: absent); read by zj.remat
+    activation_checkpointing: Optional[dict] = _D["activation_checkpointing"]
     # --- ZeRO++ (stage 3; zerojax.stages._zeropp) ------------------------------------
     quantized_weights: bool = _D["quantized_weights"]  # qwZ: 8-bit weight gathers
     hpz_partition_size: int = _D["hpz_partition_size"]  # hpZ: devices per node (1: off)
@@ -83,6 +86,10 @@ class ZeroConfig:
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         for key, value in validate(values).items():
             object.__setattr__(self, key, value)
+        if self.activation_checkpointing is not None:  # keys checked (and refused) as in a DeepSpeed file
+            object.__setattr__(self, "activation_checkpointing",
+                               activation_checkpointing_block(self.activation_checkpointing,
+                                                              autotp_size=self.autotp_size))
 
     # ------------------------------------------------------------------------------
     @property

@@ -6,14 +6,21 @@
 
 ``scan=True`` stacks the blocks (every block leaf gains a leading n_layer dim) and runs them
 with ``lax.scan``; ``scan=False`` keeps a list of blocks and a Python loop.
+
+Each block goes through ``zj.remat(..., when_configured=True)``: trained by a zerojax step whose
+config has DeepSpeed's ``activation_checkpointing`` block, the blocks are checkpointed (their
+inputs in host memory with ``"cpu_checkpointing": true``); without the block nothing changes.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
+
+from zerojax._remat import remat
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,11 +107,13 @@ def hidden_states(cfg: GPTConfig, params, tokens):
     t = tokens.shape[1]
     dtype = params["wte"].dtype
     x = params["wte"][tokens] + params["wpe"][:t].astype(dtype)
+    # checkpointed only when the step's config has an activation_checkpointing block
+    block = remat(functools.partial(_block, cfg), params_argnums=(1,), when_configured=True)
     if cfg.scan:
-        x, _ = jax.lax.scan(lambda x, p: (_block(cfg, x, p), None), x, params["blocks"])
+        x, _ = jax.lax.scan(lambda x, p: (block(x, p), None), x, params["blocks"])
     else:
         for p in params["blocks"]:
-            x = _block(cfg, x, p)
+            x = block(x, p)
     return _layer_norm(x, params["ln_f"])
 
 

@@ -32,6 +32,7 @@ from zerojax._compat import shard_map
 from zerojax.pipeline._model import PipelineModel
 from zerojax.pipeline._schedule import NONE, Schedule
 from zerojax._plan import PIPE, ZeroPlan
+from zerojax._remat import config_scope
 from zerojax.stages import _collectives as C
 
 __all__ = ["manual_spec", "pipeline_grads_fn"]
@@ -142,7 +143,8 @@ def pipeline_grads_fn(model: PipelineModel, plan: ZeroPlan, schedule: Schedule):
 
     def run(params, batch, scale):
         batch_specs = jax.tree_util.tree_map(lambda _: P(data), batch)
-        return shard_map(body, plan.mesh, in_specs=(param_specs, batch_specs, P()),
+        # zj.remat in the model (and the checkpoint interval) follows the config's activation_checkpointing
+        return shard_map(config_scope(body, plan.config.activation_checkpointing), plan.mesh, in_specs=(param_specs, batch_specs, P()),
                          out_specs=(grad_specs, P(), P(PIPE)), manual_axes=set(manual))(params, batch, scale)
 
     return run

@@ -17,6 +17,7 @@ from typing import Callable
 import jax
 
 from zerojax._errors import ConfigError
+from zerojax._remat import remat
 
 __all__ = ["PipelineModel", "PARAM_KEYS"]
 
@@ -29,7 +30,9 @@ class PipelineModel:
 
     ``activation_checkpoint_interval`` (DeepSpeed's ``pipeline.activation_checkpoint_interval``):
     0 keeps a stage's activations for its backward as jax does; k > 0 wraps every k layers in
-    ``jax.checkpoint``, keeping only the inputs of each group of k (k must divide L / P).
+    ``zj.remat``, keeping only the inputs of each group of k (k must divide L / P), in pinned host
+    memory with the config's ``"activation_checkpointing": {"cpu_checkpointing": true}``. A block
+    may also call ``zj.remat`` itself.
     ``schedule``: "1f1b" (a forward and a backward per tick), "1f1b-serial" (DeepSpeed's order,
     one op per tick) or "gpipe" (:mod:`zerojax.pipeline._schedule`).
     """
@@ -64,7 +67,8 @@ class PipelineModel:
             raise ConfigError(f"activation_checkpoint_interval={k} does not divide the {layers} layers of a "
                               "pipeline stage. Fix: use a divisor of the layers per stage, or 0")
         grouped = jax.tree_util.tree_map(lambda x: x.reshape((layers // k, k) + x.shape[1:]), blocks)
-        group = jax.checkpoint(lambda x, ps: jax.lax.scan(body, x, ps)[0])
+        # zj.remat: the config's activation_checkpointing block (cpu_checkpointing) applies here too
+        group = remat(lambda x, ps: jax.lax.scan(body, x, ps)[0], params_argnums=(1,))
         return jax.lax.scan(lambda x, ps: (group(x, ps), None), h, grouped)[0]
 
     def loss(self, params, batch):

@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from zerojax._compat import shard_map, to_device_memory
 from zerojax._plan import ZeroPlan
+from zerojax._remat import config_scope
 from zerojax.stages import _collectives as C
 from zerojax.stages._stage3 import gathered_loss
 from zerojax.stages._zeropp import Wire
@@ -52,6 +53,8 @@ def grads_fn(loss_fn: Callable, plan: ZeroPlan, has_aux: bool = False):
     gas = cfg.gradient_accumulation_steps
     cdt = plan.compute_dtype
     takes_rng = loss_arity(loss_fn) >= 3
+    # zj.remat in the loss checkpoints as the config's activation_checkpointing block says
+    loss_fn = config_scope(loss_fn, cfg.activation_checkpointing)
     f32 = jnp.float32
     stage3_loss = gathered_loss(loss_fn, plan, takes_rng) if any(lay.params_partitioned for lay in plan.leaves) else None
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import pathlib
 import warnings
 
@@ -262,6 +263,14 @@ def assert_projection_shards(state, split, stage):
             fraction = shard.data.size / np.prod(lay.shape)
             # a 1-D bias has no dim left for "data" once "model" splits it
             assert fraction == (1 / 8 if stage == 3 and len(lay.shape) == 2 else 1 / 2), (lay.path, fraction)
+    if stage == 3:  # the leaves AutoTP leaves whole (embedding, head, norms) are split over data x model
+        names = {lay.path for lay in split}
+        whole = [lay for lay in state.plan.leaves if lay.path not in names and lay.params_partitioned]
+        assert whole
+        for lay in whole:
+            x = stored[lay.path]
+            assert x.sharding.spec[lay.axis] == ("data", "model"), (lay.path, x.sharding.spec)
+            assert {s.data.size for s in x.addressable_shards} == {math.prod(lay.storage_shape) // 8}, lay.path
 
 
 def test_negative_controls_the_shard_and_orientation_checks_bite(monkeypatch):

@@ -63,6 +63,10 @@ class LeafLayout:
     axis: Optional[int]  # dim that carries the data axis in partitioned storage
     padded: int  # size of ``axis`` after padding (== shape[axis] when it divides)
     params_partitioned: bool  # stage 3 and above the persistence threshold
+    # mesh axes that split ``axis`` together with the data axis (data-major) in partitioned
+    # storage: the sequence-parallel axis, and at stage 3 AutoTP's model axis for a leaf it
+    # leaves whole. Bodies manual over the data axis see them as automatic axes.
+    extra: Tuple[str, ...] = ()
 
     @property
     def size(self) -> int:
@@ -84,7 +88,7 @@ class LeafLayout:
         """The full PartitionSpec: the user's annotation plus, if partitioned, the data axis."""
         entries = list(self.base_spec)
         if partitioned and self.axis is not None:
-            entries[self.axis] = data_axis
+            entries[self.axis] = (data_axis,) + self.extra if self.extra else data_axis
         return P(*entries)
 
     def data_spec(self, partitioned: bool, data_axis: str) -> P:
@@ -132,6 +136,20 @@ def _pipe_split(base: Tuple[Any, ...], shape, mesh: Mesh, path: str) -> Tuple[An
             f"free and a multiple of {stages}. Fix: stack the blocks' leaves on a leading layer axis with a number "
             f"of layers divisible by {stages}, or build the mesh with another {PIPE!r} size")
     return (PIPE,) + tuple(base[1:])
+
+
+# mesh axes that ZeRO's partitions also span, besides the data axis, when the mesh has them:
+# DeepSpeed's sequence-parallel ranks hold distinct parts of every model state (ZeRO over
+# data x seq); AutoTP's model ranks hold copies of the leaves it leaves whole, which stage 3
+# splits over data x model
+SEQ = "seq"
+MODEL = "model"
+
+
+def _extra_axes(base_spec, mesh: Mesh, stage: int) -> Tuple[str, ...]:
+    used = {n for e in base_spec if e is not None for n in (e if isinstance(e, tuple) else (e,))}
+    axes = [SEQ] + ([MODEL] if stage == 3 and not used else [])
+    return tuple(a for a in axes if a in mesh.axis_names and mesh.shape[a] > 1 and a not in used)
 
 
 # at stages 1-2 a split that is not along the leading dim moves a strided slab in every
@@ -265,7 +283,9 @@ class ZeroPlan:
                 raise ConfigError(f"param {name!r} has dtype {leaf.dtype}; trainable params must be floating point")
             shape = tuple(int(s) for s in leaf.shape)
             base = _pipe_split(_base_spec(leaf, user_spec, mesh, data_axis, name), shape, mesh, name)
-            axis, padded = _choose_axis(shape, base, n, config.stage)
+            extra = _extra_axes(base, mesh, config.stage) if config.stage >= 1 else ()
+            split = n * math.prod(mesh.shape[a] for a in extra)
+            axis, padded = _choose_axis(shape, base, split, config.stage)
             big = math.prod(shape) >= config.param_persistence_threshold
             layouts.append(
                 LeafLayout(
@@ -275,7 +295,8 @@ class ZeroPlan:
                     base_spec=base,
                     axis=axis,
                     padded=padded,
-                    params_partitioned=config.stage == 3 and big and axis is not None and n > 1,
+                    params_partitioned=config.stage == 3 and big and axis is not None and split > 1,
+                    extra=extra if axis is not None and split > 1 else (),
                 )
             )
         return cls(mesh=mesh, config=config, layouts=treedef.unflatten(layouts), treedef=treedef)
@@ -314,7 +335,7 @@ class ZeroPlan:
 
     # whether each kind of state is partitioned, per leaf
     def opt_partitioned(self, lay: LeafLayout) -> bool:
-        return self.stage >= 1 and lay.axis is not None and self.n > 1
+        return self.stage >= 1 and lay.axis is not None and (self.n > 1 or bool(lay.extra))
 
     def grad_partitioned(self, lay: LeafLayout) -> bool:
         """Gradients as they reach the update (stage 1 reduce-scatters once per step)."""
@@ -353,7 +374,7 @@ class ZeroPlan:
     # ------------------------------------------------------ offload_ratio: the split
     def opt_elements(self, lay: LeafLayout) -> int:
         """Elements of one optimizer-state copy of ``lay`` (its fp32 master) on each device."""
-        split = self.n if self.opt_partitioned(lay) else 1
+        split = self.n * math.prod(self.mesh.shape[a] for a in lay.extra) if self.opt_partitioned(lay) else 1
         for entry in lay.base_spec:
             for name in (entry if isinstance(entry, tuple) else (entry,) if entry else ()):
                 split *= self.mesh.shape[name]
@@ -504,6 +525,8 @@ class ZeroPlan:
             tp = ""
             if model_axes:  # what the other mesh axes hold: a split, or the whole leaf on each device
                 named = [e for e in lay.base_spec if e is not None]
-                tp = f"  {P(*lay.base_spec)}" if named else f"  replicated on {'/'.join(model_axes)}"
+                copies = [a for a in model_axes if not (lay.params_partitioned and a in lay.extra)]
+                tp = (f"  {P(*lay.base_spec)}" if named else f"  replicated on {'/'.join(copies)}" if copies
+                      else f"  split over {' x '.join((self.data_axis,) + lay.extra)}")
             rows.append(f"  {lay.path:<40} {str(lay.shape):<18} {split:<16} {where}{opt}{tp}")
         return "\n".join(rows)

@@ -102,7 +102,7 @@ def nest(flat: dict[str, Any]) -> dict:
 
 def _disk_split(plan: ZeroPlan, lay: LeafLayout) -> bool:
     """A param-like leaf is split over the data axis on disk (and while read) when it can be."""
-    return lay.axis is not None and plan.n > 1
+    return lay.axis is not None and (plan.n > 1 or bool(lay.extra))
 
 
 def _disk_shape(plan: ZeroPlan, lay: LeafLayout):

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+import zerojax._placement as placement
 from zerojax._compat import shard_map, to_device_memory
 from zerojax._plan import ZeroPlan
 from zerojax._remat import config_scope
@@ -70,9 +71,10 @@ def grads_fn(loss_fn: Callable, plan: ZeroPlan, has_aux: bool = False):
 
     def reduce_some(tree, select):
         """Reduce the leaves ``select`` picks into this device's partitions, in buckets of
-        reduce_bucket_size. One device: nothing to reduce (XLA would still copy the gradients)."""
+        reduce_bucket_size. One device: nothing to reduce (XLA would still copy the gradients);
+        a leaf still split over another axis (sequence parallelism) is only padded to its storage."""
         if n == 1:
-            return tree
+            return plan.map(lambda lay, x: placement.pad(x, lay) if select(lay) else x, tree)
         return C.on_selected(plan, tree, select, lambda lays, xs: scatter(
             xs, lays, axis, n, int(cfg.reduce_bucket_size)))
 

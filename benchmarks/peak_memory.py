@@ -34,6 +34,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--d", type=int, default=768)
+    ap.add_argument("--heads", type=int, default=12)
     ap.add_argument("--seq", type=int, default=32)
     ap.add_argument("--vocab", type=int, default=50257)
     ap.add_argument("--precision", default="fp32")
@@ -45,7 +46,7 @@ def main():
     mib = 2**20
     tx = optax.adamw(1e-4) if args.optimizer == "adamw" else optax.sgd(1e-4)
     for scan in (False,) if args.no_scan else (False, True):
-        cfg = GPTConfig(vocab=args.vocab, n_layer=args.layers, d_model=args.d, n_head=12, seq_len=args.seq, scan=scan)
+        cfg = GPTConfig(vocab=args.vocab, n_layer=args.layers, d_model=args.d, n_head=args.heads, seq_len=args.seq, scan=scan)
         batch = {"tokens": jax.ShapeDtypeStruct((n, cfg.seq_len + 1), np.int32)}
         print(f"GPT {cfg.n_params / 1e6:.1f}M params, {'lax.scan' if scan else 'Python loop'}, {args.optimizer}, {args.precision}, "
               f"{n} devices, {args.seq} tokens per device")

@@ -24,16 +24,25 @@ def batch(step):
     return {"inputs": toks[:, :-1], "labels": toks[:, 1:]}
 
 
+_RUNS = {}
+
+
 def train_zero(n, stage, loss=None):
-    loss = loss or gpt.loss_fn(CFG)
+    """(metrics per step, final params, mesh, step, state); the GPT runs are shared by the tests."""
+    key = (n, stage) if loss is None else None
+    if key in _RUNS:
+        return _RUNS[key]
     params = gpt.init_params(CFG, jax.random.PRNGKey(0))
-    state, step = zj.initialize(params, loss, zj.ZeroConfig(stage=stage, sequence_parallel_size=n),
-                                optimizer=optax.adamw(LR))
+    state, step = zj.initialize(params, loss or gpt.loss_fn(CFG),
+                                zj.ZeroConfig(stage=stage, sequence_parallel_size=n), optimizer=optax.adamw(LR))
     out = []
     for i in range(STEPS):
         state, metrics = step(state, batch(i))
         out.append((float(metrics["loss"]), float(metrics["grad_norm"])))
-    return out, jax.device_get(state.params), state.plan.mesh
+    run = out, jax.device_get(state.params), state.plan.mesh, step, state
+    if key is not None:
+        _RUNS[key] = run
+    return run
 
 
 @pytest.fixture(scope="module")
@@ -65,27 +74,25 @@ def close(a, b):
 
 @pytest.mark.parametrize("n,stage", [(2, 1), (4, 3)])
 def test_gpt_matches_plain_optax(plain, n, stage):
-    metrics, params, mesh = train_zero(n, stage)
+    metrics, params, mesh, _, _ = train_zero(n, stage)
     assert dict(mesh.shape) == {"data": 8 // n, "seq": n}
     close((metrics, params), plain)
 
 
+@pytest.mark.slow  # zerojax at N = 1 against plain optax is every stage test's check; here for the set
 def test_gpt_n1_matches_plain_optax(plain):
-    metrics, params, mesh = train_zero(1, 1)
+    metrics, params, mesh, _, _ = train_zero(1, 1)
     assert "seq" not in mesh.axis_names
     close((metrics, params), plain)
 
 
 def test_the_step_splits_the_sequence_and_all_to_alls():
     """The compiled step holds all-to-alls (ulysses_attention's) over groups of 4 devices."""
-    params = gpt.init_params(CFG, jax.random.PRNGKey(0))
-    state, step = zj.initialize(params, gpt.loss_fn(CFG), zj.ZeroConfig(stage=1, sequence_parallel_size=4),
-                                optimizer=optax.adamw(LR))
-    jitted = step.inner._jitted if hasattr(step, "inner") else None
-    if jitted is None:
-        pytest.skip("the step does not expose its jitted function")
-    text = jitted.lower(state, batch(0)).compile().as_text()
-    assert "all-to-all" in text
+    _, _, _, step, state = train_zero(4, 3)
+    text = step.lower(state, batch(0)).compile().as_text()
+    # one all-to-all per q, k, v and output per layer forward, as many backward (fused or not)
+    assert text.count("all-to-all(") >= 4 * CFG.n_layer or "all-to-all-start" in text
+    assert "replica_groups={{0,1,2,3},{4,5,6,7}}" in text or "replica_groups=[2,4]" in text
 
 
 def test_model_without_ulysses_attention_trains_equal(plain):
@@ -99,7 +106,7 @@ def test_model_without_ulysses_attention_trains_equal(plain):
         logp = jax.nn.log_softmax((x @ params["wte"].T).astype(jnp.float32), -1)
         return -jnp.take_along_axis(logp, b["labels"][..., None], -1).mean()
 
-    metrics, params, _ = train_zero(2, 1, loss=plain_loss)
+    metrics, params, _, _, _ = train_zero(2, 1, loss=plain_loss)
     close((metrics, params), plain)
 
 

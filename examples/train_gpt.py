@@ -56,7 +56,9 @@ def load_corpus() -> np.ndarray:
 
 def sample_batch(rng, data, batch, seq):
     starts = rng.integers(0, data.size - seq - 1, batch)
-    return {"tokens": np.stack([data[s:s + seq + 1] for s in starts])}
+    tokens = np.stack([data[s:s + seq + 1] for s in starts])
+    # shifted before any split: with --seq-parallel the sequence dim is split over "seq"
+    return {"inputs": tokens[:, :-1], "labels": tokens[:, 1:]}
 
 
 def config_precision(path: str) -> str:
@@ -71,7 +73,7 @@ def config_precision(path: str) -> str:
 
 def build(args, cfg, mesh):
     """(state, step, global batch) from the options, or from the DeepSpeed config file."""
-    n = len(mesh.devices.flat)
+    n = dict(mesh.shape)["data"]  # data-parallel groups (devices / --seq-parallel)
     init = lambda k: init_params(cfg, k)  # noqa: E731
     micro, rem = divmod(args.batch, n * args.grad_accum)
     if rem or micro < 1:
@@ -111,7 +113,7 @@ def build(args, cfg, mesh):
                                gradient_accumulation_steps=args.grad_accum, gradient_clipping=args.clip,
                                offload_optimizer=args.offload_optimizer, offload_param=args.offload_param,
                                nvme_path=args.nvme_path, param_persistence_threshold=10 * cfg.d_model, **zeropp,
-                               **states)
+                               sequence_parallel_size=args.seq_parallel, **states)
     except zj.ConfigError as e:
         sys.exit(f"error: {e}")
     schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, warmup, args.steps, args.lr / 10)
@@ -159,7 +161,9 @@ def main(argv=None):
                          "'all' (the default of the flag) also stores Adam's moments in bf16")
     ap.add_argument("--stochastic-rounding", action="store_true",
                     help="round the bf16 master update stochastically (needs --bf16-states)")
-    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--seq", "--seq-len", dest="seq", type=int, default=64, help="tokens per sequence")
+    ap.add_argument("--seq-parallel", type=int, default=1, metavar="N",
+                    help="Ulysses sequence parallelism: each sequence split over N devices (a ('data', 'seq') mesh)")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--d-model", type=int, default=128)
     ap.add_argument("--lr", type=float, default=3e-3)
@@ -174,7 +178,11 @@ def main(argv=None):
     split = int(data.size * 0.95)
     train, held_out = data[:split], data[split:]
     cfg = GPTConfig(vocab=256, n_layer=args.layers, d_model=args.d_model, n_head=4, seq_len=args.seq, scan=args.scan)
-    mesh = zj.make_mesh()
+    world = jax.device_count()
+    if args.seq_parallel < 1 or world % args.seq_parallel or args.seq % args.seq_parallel:
+        sys.exit(f"error: --seq-parallel {args.seq_parallel} must divide the {world} devices and --seq-len {args.seq}")
+    mesh = zj.make_mesh() if args.seq_parallel == 1 else zj.make_mesh(
+        (world // args.seq_parallel, args.seq_parallel), ("data", "seq"))
     state, step, batch = build(args, cfg, mesh)
     config = state.plan.config
     eval_loss = jax.jit(lambda p, b: loss_fn(cfg)(p, b))
@@ -189,7 +197,7 @@ def main(argv=None):
     if config.master_weights_dtype:
         offload += (f" | bf16 master{' + bf16 moments' if config.optimizer_state_dtype else ''}"
                     f"{', stochastic rounding' if config.stochastic_rounding else ''}")
-    n, gas = len(mesh.devices.flat), config.gradient_accumulation_steps
+    n, gas = dict(mesh.shape)["data"], config.gradient_accumulation_steps
     print(f"GPT {cfg.n_params / 1e6:.2f}M params | {n} devices | ZeRO stage {config.stage} | {config.precision} | "
           f"{offload} | global batch {batch} = {n} devices x {gas} grad-accum x {batch // n // gas} micro-batch | "
           f"{len(data) / 1e6:.1f} MB of text")

@@ -100,6 +100,10 @@ from zerojax._tiled_loss import tiled_cross_entropy as tiled_cross_entropy
 
 __all__ += ["remat", "remat_policy", "tiled_cross_entropy"]
 
+from zerojax._ulysses import ulysses_attention as ulysses_attention
+
+__all__ += ["ulysses_attention"]
+
 # tensor parallelism from DeepSpeed's "tensor_parallel" block (AutoTP)
 from zerojax._autotp import autotp_describe as autotp_describe
 from zerojax._autotp import autotp_mesh as autotp_mesh

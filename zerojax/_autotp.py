@@ -39,9 +39,11 @@ from zerojax._errors import ConfigError
 from zerojax._mesh import make_mesh
 
 __all__ = ["COLUMN", "MODEL", "ROW", "VOCAB", "TPLeaf", "autotp_describe", "autotp_leaves", "autotp_mesh",
-           "autotp_size_of", "autotp_specs", "check_autotp_mesh", "check_cpu_precision", "mesh_for", "plan_specs"]
+           "autotp_size_of", "autotp_specs", "check_autotp_mesh", "check_cpu_precision", "mesh_for", "plan_specs",
+           "sequence_parallel_size_of"]
 
 MODEL = "model"  # the tensor-parallel mesh axis
+SEQ = "seq"  # the sequence-parallel (Ulysses) mesh axis
 
 # layer names -> how AutoTP splits them (Hugging Face / Flax spellings; Meta's Llama w1/w2/w3, wq/wk/wv/wo)
 COLUMN = frozenset({"q_proj", "k_proj", "v_proj", "query", "key", "value", "qkv_proj", "query_key_value",
@@ -116,15 +118,52 @@ def autotp_size_of(config) -> int:
     return size if ok else 1
 
 
+def sequence_parallel_size_of(config) -> int:
+    """The ``sequence_parallel_size`` of a ZeroConfig, a DeepSpeed dict or a DeepSpeed JSON path
+    (1 when absent; a value the reader will refuse reads as 1 here)."""
+    if hasattr(config, "sequence_parallel_size"):
+        return int(config.sequence_parallel_size)
+    if isinstance(config, (str, os.PathLike)):
+        from zerojax.config._deepspeed import _load
+        config = _load(config)
+    size = config.get("sequence_parallel_size", 1) if isinstance(config, dict) else 1
+    ok = isinstance(size, int) and not isinstance(size, bool) and size >= 1
+    return size if ok else 1
+
+
+def _check_seq_mesh(mesh: Mesh, sp: int) -> None:
+    size = dict(zip(mesh.axis_names, mesh.devices.shape)).get(SEQ, 1)
+    if sp > 1 and size != sp:
+        raise ConfigError(
+            f"sequence_parallel_size={sp} needs a mesh with a {SEQ!r} axis of {sp} devices, but the mesh has axes "
+            f"{dict(mesh.shape)}. Fix: pass mesh=None (zerojax builds it), or set sequence_parallel_size to the "
+            f"mesh's {SEQ!r} size")
+
+
 def mesh_for(config, mesh=None) -> Mesh:
-    """The mesh ``zj.initialize`` trains on: ``mesh`` checked against the config's autotp_size,
-    or, when None, every device on ``"data"`` (autotp_size 1) or :func:`autotp_mesh`."""
-    size = autotp_size_of(config)
+    """The mesh ``zj.initialize`` trains on: ``mesh`` checked against the config's autotp_size and
+    sequence_parallel_size, or, when None, built from them: every device on ``"data"`` (both 1),
+    ``("data", "seq")`` for sequence parallelism, ``("data", "model")`` for AutoTP, or
+    ``("data", "seq", "model")`` for both (one tensor-parallel group on consecutive devices)."""
+    size, sp = autotp_size_of(config), sequence_parallel_size_of(config)
     data_axis = getattr(config, "data_axis", "data")
-    if mesh is None:
+    if mesh is not None:
+        check_autotp_mesh(mesh, size, data_axis)
+        _check_seq_mesh(mesh, sp)
+        return mesh
+    if sp <= 1:
         return make_mesh() if size <= 1 else autotp_mesh(size, data_axis=data_axis)
-    check_autotp_mesh(mesh, size, data_axis)
-    return mesh
+    devices = jax.devices()
+    world = len(devices)
+    if world % (sp * max(size, 1)):
+        raise ConfigError(
+            f"sequence_parallel_size={sp} does not divide the {world // max(size, 1)} devices"
+            + (f" left by tensor_parallel.autotp_size={size}" if size > 1 else "")
+            + f": the mesh is world / sequence_parallel_size data-parallel groups of sequence_parallel_size "
+            f"devices. Fix: use a divisor of {world // max(size, 1)}")
+    if size <= 1:
+        return make_mesh((world // sp, sp), (data_axis, SEQ), devices)
+    return make_mesh((world // (sp * size), sp, size), (data_axis, SEQ, MODEL), devices)
 
 
 # --------------------------------------------------------------------------- rules

@@ -56,6 +56,7 @@ def test_every_key_table_entry_that_sets_a_field_names_a_field_with_that_key():
 KEY_VALUES = {
     "zero_optimization.stage": (2, 2),
     "tensor_parallel.autotp_size": (2, 2),
+    "sequence_parallel_size": (2, 2),
     "tensor_parallel.vocab_parallel_lm_head": (True, True),
     "zero_optimization.reduce_scatter": (False, False),
     "zero_optimization.reduce_bucket_size": (1e6, 1_000_000),

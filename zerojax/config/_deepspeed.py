@@ -231,17 +231,24 @@ def read_deepspeed(path_or_dict, training_args=None, world_size: Optional[int] =
     upgrade_deprecated(cfg, v)
     read_top(cfg, v)
     tp = tensor_parallel_fields(cfg.get("tensor_parallel"), v)
-    if world_size is None:  # DeepSpeed's data-parallel size is world / autotp_size
+    sp = read_block({k: cfg[k] for k in ("sequence_parallel_size",) if k in cfg}, TOP, "", v)
+    sp = sp.get("sequence_parallel_size", 1) if isinstance(sp.get("sequence_parallel_size", 1), int) else 1
+    if world_size is None:  # DeepSpeed's data-parallel size is world / (autotp_size * sequence_parallel_size)
         if world % tp["autotp_size"]:
             v.refuse("tensor_parallel.autotp_size", f"tensor_parallel.autotp_size={tp['autotp_size']} does not "
                      f"divide the {world} devices. Fix: use a divisor of {world}")
-        world = max(1, world // tp["autotp_size"])
+        elif world % (tp["autotp_size"] * sp):
+            v.refuse("sequence_parallel_size", f"sequence_parallel_size={sp} does not divide the "
+                     f"{world // tp['autotp_size']} devices left by tensor_parallel.autotp_size={tp['autotp_size']}"
+                     f" (world {world}). Fix: use a divisor of {world // tp['autotp_size']}")
+        world = max(1, world // (tp["autotp_size"] * sp))
     missing, mismatches = fill_auto(cfg, Context(training_args, world, hidden_size, cfg), v)
     for path, message in missing:
         v.refuse(path, message)
     _leftover_auto(cfg, "", v)
     fields, paths = zero_fields(cfg.get("zero_optimization", {}), v)
     fields.update(tp)
+    fields["sequence_parallel_size"] = sp
     precision, precision_paths = precision_fields(cfg, v)
     fields.update(precision)
     low_precision_rules(fields, {**paths, **precision_paths}, v)

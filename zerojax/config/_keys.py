@@ -327,7 +327,6 @@ TOP: dict = {
                                             off=_any_bool),
     "disable_allgather": _ignored(False, boolean, _XLA_SCHEDULES),
     "dataloader_drop_last": _ignored(False, boolean, "zerojax has no data loader"),
-    "sequence_parallel_size": _ignored(1, integer(1), "zerojax has no sequence parallelism"),
     "data_parallel_size": _ignored(None, None, "the mesh's data axis gives the data-parallel size"),
     "use_data_before_expert_parallelism": _ignored(False, boolean, "zerojax has no expert parallelism"),
     "disable_python_gc": _ignored(False, boolean, _NOT_HERE),

@@ -209,6 +209,10 @@ FIELDS: dict[str, FieldSpec] = {f.name: f for f in (
               "of the device count", ("tensor_parallel.autotp_size",), key_check=lambda v: max(1, integer(0)(v)),
               deepspeed_key_default=0, doc="AutoTP (zerojax._autotp): a ('data', 'model') mesh of world / autotp_size "
               "x autotp_size, projections split over 'model' by name; DeepSpeed's 0 reads as 1 (off)"),
+    FieldSpec("sequence_parallel_size", 1, integer(1), "use 1 (off) or the devices of one sequence-parallel group, "
+              "a divisor of the device count", ("sequence_parallel_size",),
+              doc="Ulysses (zerojax._ulysses): a ('data', 'seq') mesh of world / sequence_parallel_size x "
+              "sequence_parallel_size, each batch leaf's dim 1 split over 'seq'"),
     FieldSpec("autotp_vocab_parallel", False, boolean, "use true or false", ("tensor_parallel.vocab_parallel_lm_head",),
               doc="AutoTP also splits the token embedding and lm_head along the vocabulary"),
     # precision

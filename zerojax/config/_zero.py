@@ -30,6 +30,7 @@ class ZeroConfig:
     stage: int = _D["stage"]
     data_axis: str = _D["data_axis"]
     autotp_size: int = _D["autotp_size"]  # tensor-parallel devices on the "model" axis (zerojax._autotp); 1: off
+    sequence_parallel_size: int = _D["sequence_parallel_size"]  # Ulysses devices on the "seq" axis; 1: off
     autotp_vocab_parallel: bool = _D["autotp_vocab_parallel"]  # AutoTP also splits embedding and lm_head
     # --- precision ------------------------------------------------------------------
     precision: str = _D["precision"]  # fp32 | bf16 | fp16

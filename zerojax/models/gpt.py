@@ -3,6 +3,7 @@
     cfg = GPTConfig(vocab=50257, n_layer=12, d_model=768, n_head=12, seq_len=1024)  # GPT-2 small
     params = init_params(cfg, jax.random.PRNGKey(0))
     loss = loss_fn(cfg)(params, {"tokens": int32[B, seq_len + 1]})
+    loss = loss_fn(cfg)(params, {"inputs": int32[B, seq_len], "labels": int32[B, seq_len]})
 
 ``scan=True`` stacks the blocks (every block leaf gains a leading n_layer dim) and runs them
 with ``lax.scan``; ``scan=False`` keeps a list of blocks and a Python loop.
@@ -21,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from zerojax._remat import remat
+from zerojax._ulysses import ulysses_attention
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,11 +94,8 @@ def _block(cfg: GPTConfig, x, p):
     h = cfg.n_head
     qkv = _dense(_layer_norm(x, p["ln1"]), p["attn"]["qkv"])
     q, k, v = jnp.split(qkv.reshape(b, t, 3, h, d // h), 3, axis=2)
-    q, k, v = (a[:, :, 0].transpose(0, 2, 1, 3) for a in (q, k, v))
-    att = (q @ k.transpose(0, 1, 3, 2)).astype(jnp.float32) / math.sqrt(d // h)
-    mask = jnp.tril(jnp.ones((t, t), bool))
-    att = jax.nn.softmax(jnp.where(mask, att, -1e9), axis=-1).astype(x.dtype)
-    y = (att @ v).transpose(0, 2, 1, 3).reshape(b, t, d)
+    # [b, t, heads, head_dim]; over a "seq" mesh axis, all-to-all to a head split and back
+    y = ulysses_attention(q[:, :, 0], k[:, :, 0], v[:, :, 0], causal=True).reshape(b, t, d)
     x = x + _dense(y, p["attn"]["proj"])
     m = jax.nn.gelu(_dense(_layer_norm(x, p["ln2"]), p["mlp"]["fc"]))
     return x + _dense(m, p["mlp"]["proj"])
@@ -124,12 +123,15 @@ def forward(cfg: GPTConfig, params, tokens):
 
 
 def loss_fn(cfg: GPTConfig):
-    """Next-token cross-entropy on ``batch["tokens"]`` (int[B, T + 1])."""
+    """Next-token cross-entropy on ``batch["tokens"]`` (int[B, T + 1]), or on ``batch["inputs"]`` and
+    ``batch["labels"]`` (int[B, T] each, shifted already: the form sequence parallelism splits)."""
 
     def loss(params, batch):
-        tokens = batch["tokens"]
-        logits = forward(cfg, params, tokens[:, :-1])
-        targets = tokens[:, 1:]
+        if "tokens" in batch:
+            inputs, targets = batch["tokens"][:, :-1], batch["tokens"][:, 1:]
+        else:
+            inputs, targets = batch["inputs"], batch["labels"]
+        logits = forward(cfg, params, inputs)
         logp = jax.nn.log_softmax(logits, axis=-1)
         return -jnp.take_along_axis(logp, targets[..., None], axis=-1).mean()
 

@@ -1,0 +1,147 @@
+"""Ulysses sequence parallelism: how long a sequence fits per device at N = 8 against N = 1.
+
+A small GPT (scan over its layers, fp32, AdamW, ZeRO stage 1) on 8 simulated devices, one
+sequence per data-parallel group, compiled from abstract shapes. For each sequence length and
+each of N = 1 (``("data",)``, every device its own sequence) and N = 8 (``("data", "seq")``, one
+sequence over 8 devices), the compiled per-device peak (``compiled.memory_analysis()``: arguments
++ outputs + temporaries - aliased), plain and with the ``activation_checkpointing`` block
+(``cpu_checkpointing``) and ``zj.tiled_cross_entropy``. Then: the longest sequence under a fixed
+per-device budget at N = 8 against N = 1 (goal >= 6x); the all-to-all bytes of one layer read
+from the compiled program (the scan's body) against the Ulysses paper's 4·s·h/P elements per
+forward (the backward moves as much again); and step time at the smallest length, N = 8 beside
+N = 1 (on a CPU the figure says little beyond "it runs").
+
+    python benchmarks/long_context.py                    # lengths 256 .. 4096
+    python benchmarks/long_context.py --smoke            # two lengths, a tiny model
+"""
+import argparse
+import re
+import time
+
+from _common import simulate_devices
+
+simulate_devices(8)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+import zerojax as zj  # noqa: E402
+from zerojax._autotp import mesh_for  # noqa: E402
+from zerojax.models import gpt  # noqa: E402
+
+MIB = 2**20
+_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4}
+
+
+def tiled_loss(cfg, chunk):
+    def loss(params, batch):
+        h = gpt.hidden_states(cfg, params, batch["inputs"])
+        return zj.tiled_cross_entropy(h, params["wte"].T, batch["labels"], chunk_size=chunk)
+    return loss
+
+
+def build(cfg, n, lean, chunk):
+    ckpt = {"activation_checkpointing": {"cpu_checkpointing": True}} if lean else {}
+    config = zj.ZeroConfig(stage=1, sequence_parallel_size=n, **ckpt)
+    mesh = mesh_for(config)
+    state = zj.abstract_train_state(lambda k: gpt.init_params(cfg, k), optax.adamw(1e-3), mesh=mesh, config=config)
+    loss = tiled_loss(cfg, chunk) if lean else gpt.loss_fn(cfg)
+    return state, zj.make_train_step(loss, state), mesh
+
+
+def abstract_batch(mesh, seq):
+    rows = dict(mesh.shape)["data"]
+    spec = jax.ShapeDtypeStruct((rows, seq), np.int32)
+    return {"inputs": spec, "labels": spec}
+
+
+def all_to_all_bytes(text):
+    """Bytes of the all-to-all results in ``text`` (an HLO module), per device."""
+    total = 0
+    for line in text.splitlines():
+        head, sep, _ = line.partition(" all-to-all(")
+        if not sep or "=" not in head:
+            continue  # the CPU backend writes a tiled all-to-all as a tuple of P pieces: every piece counts
+        for kind, dims in re.findall(r"([a-z]+[0-9]*)\[([0-9,]*)\]", head.split("=", 1)[1]):
+            total += _BYTES.get(kind, 4) * int(np.prod([int(x) for x in dims.split(",") if x] or [1]))
+    return total
+
+
+def measure(cfg, n, lean, seq, chunk):
+    cfg = gpt.GPTConfig(**{**cfg.__dict__, "seq_len": seq})
+    state, step, mesh = build(cfg, n, lean, chunk)
+    compiled = step.lower(state, abstract_batch(mesh, seq)).compile()
+    mem = compiled.memory_analysis()
+    peak = mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes - mem.alias_size_in_bytes
+    return peak, compiled.as_text()
+
+
+def step_time(cfg, n, seq, steps=3):
+    cfg = gpt.GPTConfig(**{**cfg.__dict__, "seq_len": seq})
+    config = zj.ZeroConfig(stage=1, sequence_parallel_size=n)
+    state, step = zj.initialize(gpt.init_params(cfg, jax.random.PRNGKey(0)), gpt.loss_fn(cfg), config,
+                                optimizer=optax.adamw(1e-3))
+    rows = dict(state.plan.mesh.shape)["data"]
+    toks = np.random.default_rng(0).integers(0, cfg.vocab, (rows, seq + 1)).astype(np.int32)
+    batch = {"inputs": toks[:, :-1], "labels": toks[:, 1:]}
+    state, m = step(state, batch)
+    jax.block_until_ready(m["loss"])
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        state, m = step(state, batch)
+    jax.block_until_ready(m["loss"])
+    return (time.perf_counter() - t0) / steps, float(m["loss"])
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--smoke", action="store_true", help="two lengths, a tiny model (seconds)")
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--d", type=int, default=64)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=512)
+    ap.add_argument("--lengths", type=int, nargs="*", default=[256, 512, 1024, 2048, 4096])
+    ap.add_argument("--budget-mib", type=float, default=None,
+                    help="per-device budget (default: the N = 1 plain peak at the second length)")
+    ap.add_argument("--chunk", type=int, default=128, help="tiled loss chunk (tokens)")
+    args = ap.parse_args()
+    if args.smoke:
+        args.layers, args.d, args.vocab, args.lengths = 1, 32, 64, [64, 128]
+    cfg = gpt.GPTConfig(vocab=args.vocab, n_layer=args.layers, d_model=args.d, n_head=args.heads,
+                        seq_len=args.lengths[0], scan=True)
+    modes = [(False, "plain")] if args.smoke else [(False, "plain"), (True, "ckpt+cpu+tiled")]
+    print(f"GPT {args.layers} layers, d {args.d}, {args.heads} heads, vocab {args.vocab}; 8 devices, "
+          f"stage 1, fp32, AdamW, one sequence per data-parallel group; peak MiB per device")
+    print(f"{'seq':>6} " + " ".join(f"{f'N={n} {name}':>22}" for _, name in modes for n in (1, 8))
+          + f" {'a2a KiB/layer':>14} {'/ 4sh/P fwd':>12}")
+    peaks, a2a = {}, {}
+    for seq in args.lengths:
+        row = []
+        for lean, name in modes:
+            for n in (1, 8):
+                peak, text = measure(cfg, n, lean, seq, args.chunk)
+                peaks[(n, name, seq)] = peak
+                row.append(f"{peak / MIB:>22.2f}")
+                if n == 8 and not lean:
+                    a2a[seq] = all_to_all_bytes(text)  # the scan body: one layer, forward and backward
+        paper = 4 * seq * args.d * 4 / 8  # 4·s·h/P fp32 elements, the forward of one layer
+        print(f"{seq:>6} " + " ".join(row) + f" {a2a[seq] / 1024:>14.1f} {a2a[seq] / paper:>12.2f}", flush=True)
+    budget = args.budget_mib * MIB if args.budget_mib else peaks[(1, "plain", args.lengths[min(1, len(args.lengths) - 1)])]
+    print(f"\nbudget {budget / MIB:.2f} MiB per device: the longest sequence that fits")
+    for _, name in modes:
+        fits = {n: max([s for s in args.lengths if peaks[(n, name, s)] <= budget], default=0) for n in (1, 8)}
+        more = [s for s in args.lengths if peaks[(8, name, s)] <= budget] == args.lengths
+        ratio = fits[8] / fits[1] if fits[1] else float("nan")
+        print(f"  {name:>16}: N=1 {fits[1]}, N=8 {fits[8]}{'+' if more else ''} -> {ratio:.1f}x"
+              f"{' (at least: the longest length tried fits)' if more else ''} (goal >= 6x)")
+    seq = args.lengths[0]
+    t1, l1 = step_time(cfg, 1, seq)
+    t8, l8 = step_time(cfg, 8, seq)
+    print(f"\nstep time at seq {seq}: N=1 {t1 * 1e3:.1f} ms ({1} sequence per device), N=8 {t8 * 1e3:.1f} ms "
+          f"(one sequence over 8 devices) -> {t8 / t1:.2f}x; tokens per device per step: N=1 {seq}, N=8 {seq // 8}")
+
+
+if __name__ == "__main__":
+    main()

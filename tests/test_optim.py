@@ -47,6 +47,9 @@ def run(tx, params, data, jitted: bool):
     return got, params, state
 
 
+HOST_RTOL = 4e-6  # see test_offloaded_updates_equal_optax
+
+
 def kinds(state):
     return {x.sharding.memory_kind for x in jax.tree_util.tree_leaves(state)}
 
@@ -67,10 +70,14 @@ def test_offloaded_updates_equal_optax(opt, stage, jitted):
     with warnings.catch_warnings():
         warnings.simplefilter("error", HostUpdateWarning)  # these run on the host, no fallback
         got, got_params, state = run(tx, params, data, jitted)
+    # HOST_RTOL: the host update is compiled by XLA's CPU backend, whose instruction choice
+    # (fused multiply-adds, vector width) follows the machine's CPU, so an element may differ
+    # from the device program's by a few float32 ulps (1.3e-6 of the leaf's largest value on an
+    # AVX2 machine); a wrong bias correction, rate or decay is off by 1e-3 or more
     for i, (u, w) in enumerate(zip(got, want)):
-        assert max_rel_err(u, w) < 1e-6, (opt, stage, i)
+        assert max_rel_err(u, w) < HOST_RTOL, (opt, stage, i)
         assert kinds(u) == {"device"}, (opt, stage, i)  # the updates came back to the device
-    assert max_rel_err(got_params, want_params) < 1e-6
+    assert max_rel_err(got_params, want_params) < HOST_RTOL
     assert kinds(state.inner) == {"pinned_host"}
     # still partitioned: every leaf that mirrors a param is split 8 ways
     for x in mirrors(state.inner):
@@ -88,7 +95,7 @@ def test_unpinned_host_memory_is_warned_and_pinned_used():
         tx = zj.zero_optimizer(OPTIMIZERS["adamw"](), config=config)
     got, _, state = run(tx, params, data, True)
     assert kinds(state.inner) == {"pinned_host"}
-    assert max_rel_err(got[-1], want[-1]) < 1e-6
+    assert max_rel_err(got[-1], want[-1]) < HOST_RTOL
 
 
 def test_without_offload_state_stays_on_device():

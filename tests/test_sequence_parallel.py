@@ -95,6 +95,7 @@ def test_the_step_splits_the_sequence_and_all_to_alls():
     assert "replica_groups={{0,1,2,3},{4,5,6,7}}" in text or "replica_groups=[2,4]" in text
 
 
+@pytest.mark.slow  # 25 s: a second GPT program at N = 4; the quick tier keeps the Ulysses runs
 def test_model_without_ulysses_attention_trains_equal(plain):
     """GSPMD gathers what a plain attention needs: still the same numbers under "seq"."""
     def plain_loss(params, b):

@@ -127,10 +127,10 @@ def loss_fn(cfg: GPTConfig):
     ``batch["labels"]`` (int[B, T] each, shifted already: the form sequence parallelism splits)."""
 
     def loss(params, batch):
-        if "tokens" in batch:
-            inputs, targets = batch["tokens"][:, :-1], batch["tokens"][:, 1:]
-        else:
+        if "inputs" in batch and "labels" in batch:
             inputs, targets = batch["inputs"], batch["labels"]
+        else:  # a batch with neither form names the usual one in its KeyError
+            inputs, targets = batch["tokens"][:, :-1], batch["tokens"][:, 1:]
         logits = forward(cfg, params, inputs)
         logp = jax.nn.log_softmax(logits, axis=-1)
         return -jnp.take_along_axis(logp, targets[..., None], axis=-1).mean()

@@ -36,14 +36,12 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zerojax._errors import ConfigError
-from zerojax._mesh import make_mesh
+from zerojax._mesh import MODEL, SEQ, make_mesh
 
 __all__ = ["COLUMN", "MODEL", "ROW", "VOCAB", "TPLeaf", "autotp_describe", "autotp_leaves", "autotp_mesh",
            "autotp_size_of", "autotp_specs", "check_autotp_mesh", "check_cpu_precision", "mesh_for", "plan_specs",
            "sequence_parallel_size_of"]
 
-MODEL = "model"  # the tensor-parallel mesh axis
-SEQ = "seq"  # the sequence-parallel (Ulysses) mesh axis
 
 # layer names -> how AutoTP splits them (Hugging Face / Flax spellings; Meta's Llama w1/w2/w3, wq/wk/wv/wo)
 COLUMN = frozenset({"q_proj", "k_proj", "v_proj", "query", "key", "value", "qkv_proj", "query_key_value",
@@ -132,7 +130,7 @@ def sequence_parallel_size_of(config) -> int:
 
 
 def _check_seq_mesh(mesh: Mesh, sp: int) -> None:
-    size = dict(zip(mesh.axis_names, mesh.devices.shape)).get(SEQ, 1)
+    size = mesh.shape.get(SEQ, 1)
     if sp > 1 and size != sp:
         raise ConfigError(
             f"sequence_parallel_size={sp} needs a mesh with a {SEQ!r} axis of {sp} devices, but the mesh has axes "

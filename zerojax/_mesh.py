@@ -11,6 +11,8 @@ from zerojax._compat import mesh_from_devices
 from zerojax._errors import ConfigError
 
 DATA = "data"
+MODEL = "model"  # the tensor-parallel (AutoTP) axis
+SEQ = "seq"  # the sequence-parallel (Ulysses) axis
 
 
 def make_mesh(

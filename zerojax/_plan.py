@@ -31,6 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 from zerojax.config import ZeroConfig
 from zerojax._errors import ConfigError, IgnoredKeysWarning
+from zerojax._mesh import MODEL, SEQ
 from zerojax._precision import compute_dtype
 
 DEVICE = "device"
@@ -142,10 +143,6 @@ def _pipe_split(base: Tuple[Any, ...], shape, mesh: Mesh, path: str) -> Tuple[An
 # DeepSpeed's sequence-parallel ranks hold distinct parts of every model state (ZeRO over
 # data x seq); AutoTP's model ranks hold copies of the leaves it leaves whole, which stage 3
 # splits over data x model
-SEQ = "seq"
-MODEL = "model"
-
-
 def _extra_axes(base_spec, mesh: Mesh, stage: int) -> Tuple[str, ...]:
     used = {n for e in base_spec if e is not None for n in (e if isinstance(e, tuple) else (e,))}
     axes = [SEQ] + ([MODEL] if stage == 3 and not used else [])

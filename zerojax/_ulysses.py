@@ -23,12 +23,11 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from zerojax._compat import shard_map
 from zerojax._errors import ConfigError
+from zerojax._mesh import SEQ
 
 __all__ = ["SEQ", "attention", "seq_size", "ulysses_attention"]
-
-SEQ = "seq"
-
 
 def seq_size() -> int:
     """The size of the automatic "seq" axis of the mesh being traced under (1 when none)."""
@@ -130,5 +129,4 @@ def ulysses_attention(q, k, v, causal: bool = True, mask=None, bias=None):
         return jax.lax.all_to_all(out, SEQ, 1, 2, tiled=True)
 
     specs = (split, split, split) + tuple(P() for _ in extras)
-    return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=split, axis_names={SEQ},
-                         check_vma=False)(q, k, v, *extras)
+    return shard_map(body, mesh, in_specs=specs, out_specs=split, manual_axes={SEQ})(q, k, v, *extras)

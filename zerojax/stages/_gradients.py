@@ -29,9 +29,9 @@ from jax.sharding import PartitionSpec as P
 import zerojax._placement as placement
 from zerojax._compat import shard_map, to_device_memory
 from zerojax._errors import ConfigError
+from zerojax._mesh import SEQ
 from zerojax._plan import ZeroPlan
 from zerojax._remat import config_scope
-from zerojax._ulysses import SEQ
 from zerojax.stages import _collectives as C
 from zerojax.stages._stage3 import gathered_loss
 from zerojax.stages._zeropp import Wire
@@ -114,9 +114,7 @@ def grads_fn(loss_fn: Callable, plan: ZeroPlan, has_aux: bool = False):
             return reduce_some(g, per_micro), loss
 
         if seq_n > 1:  # keep the sequence split inside the body ("seq" stays automatic here)
-            batch = jax.tree_util.tree_map(
-                lambda x: jax.lax.with_sharding_constraint(
-                    x, NamedSharding(jax.sharding.get_abstract_mesh(), P(None, SEQ))) if x.ndim >= 2 else x, batch)
+            batch = split_sequence(batch, jax.sharding.get_abstract_mesh(), None, seq_n)
         if gas == 1:  # one micro-batch: no fp32 accumulator, no pass that adds into one
             acc, loss_sum = micro_grads(batch, 0)
         else:
@@ -147,7 +145,7 @@ def grads_fn(loss_fn: Callable, plan: ZeroPlan, has_aux: bool = False):
     param_specs = plan.map(lambda lay: lay.data_spec(lay.params_partitioned, axis))
     grad_specs = plan.map(lambda lay: lay.data_spec(plan.grad_partitioned(lay), axis))
 
-    seq_n = dict(zip(plan.mesh.axis_names, plan.mesh.devices.shape)).get(SEQ, 1)
+    seq_n = plan.mesh.shape.get(SEQ, 1)
 
     def run(params, batch, scale, rng):
         if seq_n > 1:  # sequence parallelism: dim 1 of each leaf of rank >= 2 split over "seq"
@@ -162,7 +160,7 @@ def grads_fn(loss_fn: Callable, plan: ZeroPlan, has_aux: bool = False):
 
 def split_sequence(batch, mesh, data_axis: str, n: int):
     """``batch`` with dim 1 of every leaf of rank >= 2 split over the mesh's "seq" axis of ``n``
-    (dim 0 over ``data_axis``); ConfigError naming the leaf whose length ``n`` does not divide."""
+    (dim 0 over ``data_axis``; None inside the body manual over it); ConfigError naming the leaf whose length ``n`` does not divide."""
     def one(path, x):
         if getattr(x, "ndim", 0) < 2:
             return x

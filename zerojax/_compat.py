@@ -47,6 +47,17 @@ def mesh_from_devices(devices: np.ndarray, axis_names) -> Mesh:
     return Mesh(devices, tuple(axis_names))  # pragma: no cover
 
 
+def automatic(mesh: Mesh) -> Mesh:
+    """``mesh`` with every axis automatic (the same devices and names). JAX's own ``jax.make_mesh``
+    makes explicit axes, under which jnp operations type their operands' shardings and refuse
+    the hand-placed collectives of a ZeRO step; zerojax places by hand and leaves the rest to
+    GSPMD, so it builds its programs over the automatic view."""
+    types = getattr(mesh, "axis_types", None)
+    if _AUTO is None or not types or all(t == _AUTO for t in types):
+        return mesh
+    return Mesh(mesh.devices, mesh.axis_names, axis_types=(_AUTO,) * len(mesh.axis_names))
+
+
 def primitives():
     """The control-flow and call primitives the stage-3 program rewriter looks inside."""
     from jax.extend.core import primitives as p

@@ -31,6 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 from zerojax.config import ZeroConfig
 from zerojax._errors import ConfigError, IgnoredKeysWarning
+from zerojax._compat import automatic
 from zerojax._mesh import MODEL, SEQ
 from zerojax._precision import compute_dtype
 
@@ -249,6 +250,7 @@ class ZeroPlan:
     # ---------------------------------------------------------------------------- build
     @classmethod
     def create(cls, params, mesh: Mesh, config: ZeroConfig, param_specs=None) -> "ZeroPlan":
+        mesh = automatic(mesh)  # a mesh of JAX's explicit axes is used through its automatic view
         data_axis = config.data_axis
         if data_axis not in mesh.axis_names:
             raise ConfigError(

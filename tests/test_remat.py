@@ -88,6 +88,31 @@ def test_stage3_replays_the_checkpointed_blocks(plain):
     np.testing.assert_allclose(losses, plain[0][:2], rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow  # about 20 s: a second GPT program at seq 2 beside the plain one
+def test_a_deepspeed_file_with_sequence_parallelism_and_host_checkpoints_trains_as_without(plain):
+    # the long-context file a DeepSpeed user brings: Ulysses over 2 devices, checkpoints on the host;
+    # 2 samples x 4 data groups: the plain run's global batch of 8
+    config = {**BASE, "train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2}, "sequence_parallel_size": 2,
+              "activation_checkpointing": {"cpu_checkpointing": True}}
+    state, step = zj.initialize(gpt.init_params(CFG, jax.random.PRNGKey(0)), gpt.loss_fn(CFG), config)
+    assert dict(state.plan.mesh.shape) == {"data": 4, "seq": 2}
+
+    def split(i):  # the same tokens, shifted already: the form whose sequence dim is split over "seq"
+        t = tokens(i)["tokens"]
+        return {"inputs": t[:, :-1], "labels": t[:, 1:]}
+
+    jaxpr = program(step, state, split(0))
+    assert remats(jaxpr) > 0 and host_values(jaxpr) > 0
+    assert sum(e.primitive.name == "all_to_all" for e in walk(jaxpr)) > 0
+    losses = []
+    for i in range(3):
+        state, metrics = step(state, split(i))
+        losses.append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses, plain[0], rtol=2e-5, atol=2e-5)
+    for a, b in zip(jax.tree_util.tree_leaves(state.full_params()), jax.tree_util.tree_leaves(plain[2].full_params())):
+        np.testing.assert_allclose(a, b, rtol=3e-5, atol=3e-5)
+
+
 def block_fn(params, x):
     return jnp.tanh(x @ params["w"]) @ params["w"].T + x
 

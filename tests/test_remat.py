@@ -92,8 +92,8 @@ def test_stage3_replays_the_checkpointed_blocks(plain):
 def test_a_deepspeed_file_with_sequence_parallelism_and_host_checkpoints_trains_as_without(plain):
     # the long-context file a DeepSpeed user brings: Ulysses over 2 devices, checkpoints on the host;
     # 2 samples x 4 data groups: the plain run's global batch of 8
-    config = {**BASE, "train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2}, "sequence_parallel_size": 2,
-              "activation_checkpointing": {"cpu_checkpointing": True}}
+    config = {**BASE, "train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2},
+              "sequence_parallel_size": 2, "activation_checkpointing": {"cpu_checkpointing": True}}
     state, step = zj.initialize(gpt.init_params(CFG, jax.random.PRNGKey(0)), gpt.loss_fn(CFG), config)
     assert dict(state.plan.mesh.shape) == {"data": 4, "seq": 2}
 

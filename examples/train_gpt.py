@@ -61,6 +61,17 @@ def sample_batch(rng, data, batch, seq):
     return {"inputs": tokens[:, :-1], "labels": tokens[:, 1:]}
 
 
+def config_sequence_parallel(path: str):
+    """A DeepSpeed JSON's sequence_parallel_size (None when it has none, or cannot be read: zj.initialize
+    then says what is wrong with the file)."""
+    try:
+        with open(path) as f:
+            value = json.load(f).get("sequence_parallel_size")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
 def config_precision(path: str) -> str:
     """The precision a DeepSpeed JSON asks for: its enabled fp16/bf16 block, bf16 where they say "auto"."""
     with open(path) as f:
@@ -138,7 +149,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--stage", type=int, default=None, choices=[0, 1, 2, 3], help="ZeRO stage (default 2)")
     ap.add_argument("--precision", default=None, choices=["fp32", "bf16", "fp16"],
-                    help="default bf16, or what --deepspeed-config enables")
+                    help="default bf16 (fp32 with --seq-parallel on CPU devices, where XLA cannot compile a "
+                         "bf16 step over a 'seq' axis), or what --deepspeed-config enables")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--batch", type=int, default=32, help="global batch (sequences per optimizer step)")
     ap.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps (micro-batches per step)")
@@ -162,8 +174,9 @@ def main(argv=None):
     ap.add_argument("--stochastic-rounding", action="store_true",
                     help="round the bf16 master update stochastically (needs --bf16-states)")
     ap.add_argument("--seq", "--seq-len", dest="seq", type=int, default=64, help="tokens per sequence")
-    ap.add_argument("--seq-parallel", type=int, default=1, metavar="N",
-                    help="Ulysses sequence parallelism: each sequence split over N devices (a ('data', 'seq') mesh)")
+    ap.add_argument("--seq-parallel", type=int, default=None, metavar="N",
+                    help="Ulysses sequence parallelism: each sequence split over N devices (a ('data', 'seq') mesh); "
+                         "with --deepspeed-config, the file's sequence_parallel_size")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--d-model", type=int, default=128)
     ap.add_argument("--lr", type=float, default=3e-3)
@@ -171,8 +184,15 @@ def main(argv=None):
     ap.add_argument("--scan", action="store_true", help="stack the layers and run them with lax.scan")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    in_file = config_sequence_parallel(args.deepspeed_config) if args.deepspeed_config else None
+    if in_file is not None and args.seq_parallel not in (None, in_file):
+        ap.error(f"--seq-parallel {args.seq_parallel} but {args.deepspeed_config} has sequence_parallel_size "
+                 f"{in_file}: set it in one place")
+    args.seq_parallel = args.seq_parallel or in_file or 1
     if args.precision is None:
-        args.precision = config_precision(args.deepspeed_config) if args.deepspeed_config else "bf16"
+        cpu_seq = args.seq_parallel > 1 and jax.devices()[0].platform == "cpu"
+        args.precision = (config_precision(args.deepspeed_config) if args.deepspeed_config
+                          else "fp32" if cpu_seq else "bf16")
 
     data = load_corpus()
     split = int(data.size * 0.95)

@@ -211,6 +211,14 @@ def test_deepspeed_keys_mesh_and_batch_arithmetic():
         zj.initialize(params, loss, {**cfg, "bf16": {"enabled": True}})
     with pytest.raises(ConfigError, match="'model' axis of 4 devices"):  # a ZeroConfig checks the mesh too
         zj.shard_train_state(params, optax.sgd(0.1), mesh=zj.autotp_mesh(2), config=zj.ZeroConfig(autotp_size=4))
+    # the same pass aborts a bf16 step over ("data", "seq") (Ulysses), from a DeepSpeed file or a given mesh
+    seq = {"train_micro_batch_size_per_gpu": 1, "sequence_parallel_size": 2, "optimizer": OPTIMIZER}
+    with pytest.raises(ConfigError, match=r"sequence_parallel_size=2 .*'bf16' on the CPU.*all-reduce-promotion"):
+        zj.initialize(params, loss, {**seq, "bf16": {"enabled": True}})
+    with pytest.raises(ConfigError, match=r"\('data', 'seq'\) mesh.*all-reduce-promotion"):
+        zj.shard_train_state(params, optax.sgd(0.1), mesh=zj.make_mesh((4, 2), ("data", "seq")),
+                             config=zj.ZeroConfig(stage=1, precision="bf16"))
+    assert zj.ZeroConfig.from_deepspeed({**seq, "fp16": {"enabled": True}}, world_size=8).precision == "fp16"
 
 
 # --------------------------------------------------------------------------- training

@@ -275,19 +275,22 @@ def autotp_describe(params, autotp_size: int, param_specs=None, *, vocab_paralle
 _CPU_PASS = "all-reduce-promotion"
 
 
-def check_cpu_precision(mesh: Mesh, config) -> None:
+def check_cpu_precision(mesh: Mesh, config, axis: str = MODEL) -> None:
     """On the CPU backend XLA's all-reduce promotion pass aborts the process (a failed check,
-    not an exception) when it meets the 16-bit all-reduces of a step on a mesh with a model
-    axis; refuse with the way out instead."""
-    if config.precision == "fp32" or mesh.devices.flat[0].platform != "cpu":
+    not an exception) when it meets a 16-bit reduction over the data axis inside a step whose
+    body leaves another mesh axis (``axis``: AutoTP's "model", Ulysses' "seq") to the
+    partitioner; refuse with the way out instead. Under "model" both 16-bit formats abort;
+    under "seq" bf16 does (fp16 compiles)."""
+    if mesh.devices.flat[0].platform != "cpu" or _CPU_PASS in os.environ.get("XLA_FLAGS", ""):
         return
-    if _CPU_PASS in os.environ.get("XLA_FLAGS", ""):
+    if config.precision == "fp32" or (axis == SEQ and config.precision != "bf16"):
         return
+    setting = (f"autotp_size={config.autotp_size}" if axis == MODEL
+               else f"sequence_parallel_size={mesh.shape[SEQ]} (a {SEQ!r} mesh axis)")
     raise ConfigError(
-        f"autotp_size={config.autotp_size} with precision {config.precision!r} on the CPU backend: XLA's "
-        f"{_CPU_PASS} pass aborts the process while compiling a 16-bit step on a ('data', 'model') mesh. Fix: "
-        f"train in fp32 on the CPU (bf16/fp16 disabled), or set XLA_FLAGS=--xla_disable_hlo_passes={_CPU_PASS} "
-        "before jax is imported")
+        f"{setting} with precision {config.precision!r} on the CPU backend: XLA's {_CPU_PASS} pass aborts the "
+        f"process while compiling a 16-bit step on a {tuple(mesh.axis_names)} mesh. Fix: train in fp32 on the CPU "
+        f"({'bf16/fp16' if axis == MODEL else 'bf16'} disabled), or set XLA_FLAGS=--xla_disable_hlo_passes={_CPU_PASS} before jax is imported")
 
 
 def plan_specs(params, mesh: Mesh, config, param_specs=None) -> Any:

@@ -261,6 +261,9 @@ class ZeroPlan:
         n = mesh.shape[data_axis]
         _check_ratio(config)
         _check_nodes(config, n, data_axis)
+        if mesh.shape.get(SEQ, 1) > 1:  # XLA's CPU backend aborts on a bf16 step over ("data", "seq")
+            from zerojax._autotp import check_cpu_precision
+            check_cpu_precision(mesh, config, SEQ)
         if config.stage == 3 and not config.reduce_scatter:
             warnings.warn("zerojax accepts but ignores reduce_scatter=False (zero_optimization.reduce_scatter) "
                           "at stage 3, as DeepSpeed does: stage-3 gradients are always reduce-scattered. "

@@ -2,20 +2,7 @@
 on tiny shapes (the figures mean nothing on the CPU; the scripts must not rot). The smoke modes
 compile each contender once; the two scripts share vs_plain_jax's code, so gpu_check's smoke
 run times one of its ratios and vs_plain_jax's every one."""
-import pathlib
-import subprocess
-import sys
-
-from tests.helpers import child_env
-
-BENCH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
-
-
-def run(script, *args, timeout=600):
-    out = subprocess.run([sys.executable, str(BENCH / script), *args], cwd=BENCH, env=child_env(), capture_output=True,
-                         text=True, timeout=timeout)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    return out.stdout
+from tests.helpers import run_benchmark as run
 
 
 def test_gpu_check_smoke_runs_every_section():

@@ -205,8 +205,8 @@ def main() -> None:
     print(f"checkpoint {nbytes / 1e6:.0f} MB (fp32 master + Adam moments, stage 3 bf16 on 8 devices)")
     print(f"  save     1st {saves_s[0] * 1e3:.0f} ms (compiles)   3rd {saves_s[2] * 1e3:.0f} ms   "
           f"3rd/1st {figures['save_3rd_over_1st']:.2f} (goal <= 0.25)")
-    print(f"  small state ({small_bytes / 1e6:.1f} MB, {small_layers} layers of width {small_width}): "
-          f"save 1st {small_s[0] * 1e3:.0f} ms   "
+    print(f"  small state ({small_bytes / 1e6:.1f} MB, {small_layers} layer{'s' * (small_layers != 1)} "
+          f"of width {small_width}): save 1st {small_s[0] * 1e3:.0f} ms   "
           f"3rd {small_s[2] * 1e3:.0f} ms   3rd/1st {figures['small_save_3rd_over_1st']:.2f} (goal <= 0.25)")
     print(f"  blocking part of the save (the loop waits; the write goes on in the background): 1st/3rd "
           f"{blocks[0] * 1e3:.0f}/{blocks[2] * 1e3:.0f} ms, 3rd/1st {figures['save_blocking_3rd_over_1st']:.2f}; "

@@ -253,6 +253,8 @@ def test_deepspeed_pipeline_block():
 
 @pytest.mark.slow
 def test_benchmark_smoke_prints_both_sections():
+    """benchmarks/pipeline.py --smoke in its own process: the 1F1B bubble at P = 2, M = 2 and one
+    timed round of the four contenders (two pipelines, ZeRO-1 and ZeRO-3) on a 4-layer GPT."""
     out = run_benchmark("pipeline.py", "--smoke", timeout=900)
     assert "theory" in out and "0.3333" in out  # P = 2, M = 2
     for name in ("pipe 2 x data 4, ZeRO-1", "pipe 4 x data 2, ZeRO-1", "data 8, ZeRO-1", "data 8, ZeRO-3"):

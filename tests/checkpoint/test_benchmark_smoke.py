@@ -1,4 +1,8 @@
-"""benchmarks/checkpoint.py --smoke runs and prints the 1st and 3rd save next to the disk speed."""
+"""benchmarks/checkpoint.py --smoke runs and prints the 1st and 3rd save next to the disk speed.
+
+The smoke run saves a one-layer state three times, restores it onto another mesh, repeats the
+saves as its "small state" at the same shape, and consolidates the checkpoint in one child
+process (its own baseline: the default run's second, tiny one is skipped)."""
 import json
 
 import pytest

@@ -296,7 +296,7 @@ def child_first_step() -> None:
 
 
 def cache_figures(args) -> dict:
-    layers = args.layers[len(args.layers) // 2]
+    layers = args.layers[0] if args.smoke else args.layers[len(args.layers) // 2]
     out = {}
     with tempfile.TemporaryDirectory() as cache:
         env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
@@ -314,9 +314,10 @@ def cache_figures(args) -> dict:
     return out
 
 
-def recompile_figures(args) -> dict:
+def recompile_figures(args, steps: int = 20, every: int = 5) -> dict:
     """Backend compiles after the first step, by phase: the step's own programs must not compile
-    again; each checkpoint program (save, restore) compiles once per state layout."""
+    again; each checkpoint program (save, restore) compiles once per state layout. ``steps``
+    steps with a save every ``every``."""
     cfg = GPTConfig(vocab=args.vocab, n_layer=args.layers[0], d_model=args.d, n_head=4, seq_len=args.seq)
     batch = batch_for(cfg, args.batch)
     init = functools.partial(init_params, cfg, jax.random.PRNGKey(0))
@@ -336,9 +337,9 @@ def recompile_figures(args) -> dict:
             return out
 
         saves = 0
-        for i in range(2, 21):
+        for i in range(2, steps + 1):
             state, _ = phase("steps", lambda: step(state, batch))
-            if i % 5 == 0:
+            if i % every == 0:
                 phase("later saves" if saves else "first save", lambda: mngr.save(i, state))
                 saves += 1
         mngr.wait_until_finished()
@@ -351,7 +352,7 @@ def recompile_figures(args) -> dict:
         state = phase("after restore and finish()", after)
         mngr.close()
     step_compiles = phases["steps"] + phases["later saves"] + phases["after restore and finish()"]
-    print("compiles after the first step (20 steps, a save every 5, a restore, finish()): " +
+    print(f"compiles after the first step ({steps} steps, a save every {every}, a restore, finish()): " +
           ", ".join(f"{k} {v}" for k, v in phases.items()) +
           f"; recompiles of the step or of a saved layout: {step_compiles} (goal 0; the first save and the "
           "restore compile their program once per state layout)", flush=True)
@@ -387,7 +388,8 @@ def main():
           f"goal: zerojax / plain <= {GOAL}", flush=True)
     figures = {"first_step": first_step_table(args)}
     if not args.no_recompiles:
-        figures["recompiles"] = recompile_figures(args)
+        # --smoke: 4 steps, a save every 2 (a first save and a later one)
+        figures["recompiles"] = recompile_figures(args, *((4, 2) if args.smoke else ()))
     if not args.no_cache:
         figures["cache"] = cache_figures(args)
     print(json.dumps(figures))

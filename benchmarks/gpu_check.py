@@ -138,10 +138,10 @@ def main():
         n, reps, rounds, steps = 2**14, 2, 1, 1
         gpt = GPTConfig(vocab=517, n_layer=1, d_model=32, n_head=2, seq_len=8)
         # one ratio and one optimizer: every ratio of the same code is smoke-tested by vs_plain_jax.py --smoke
-        shapes = argparse.Namespace(shapes=["smoke"], seq=8, batch=16, rounds=1, steps=1, opt_params=4096 * 8,
-                                    pairs=False, opt_tx=["adamw"], gpt2_devices=len(jax.devices()),
-                                    ratios=["s3/s0"], smoke=True)
-        batch_rows = 16
+        shapes = argparse.Namespace(shapes=["smoke"], seq=8, batch=len(jax.devices()), rounds=1, steps=1,
+                                    opt_params=4096 * 8, pairs=False, opt_tx=["adamw"],
+                                    gpt2_devices=len(jax.devices()), ratios=["s3/s0"], smoke=True)
+        batch_rows = len(jax.devices())
     else:
         n, reps, rounds, steps = 256 * 2**20, 10, 3, 3
         gpt = GPTConfig(vocab=50257, n_layer=12, d_model=768, n_head=12, seq_len=512)

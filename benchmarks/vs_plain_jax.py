@@ -47,7 +47,7 @@ SHAPES = {
     "vocab50257-d128": dict(vocab=50257, n_layer=4, d_model=128, n_head=4),
     "vocab8192-d256": dict(vocab=8192, n_layer=4, d_model=256, n_head=4),
     "gpt2-small": dict(vocab=50257, n_layer=12, d_model=768, n_head=12),
-    "smoke": dict(vocab=517, n_layer=2, d_model=32, n_head=2),
+    "smoke": dict(vocab=517, n_layer=1, d_model=32, n_head=2),
 }
 GOALS = {"s0/ddp": 1.02, "s1/ddp": 0.90, "s2/ddp": 0.90, "s3/fsdp": 1.0, "s3/s0": 1.10, "s3p0/fsdp": 1.0,
          "s3p0/s0": 1.10, "s3auto/fsdp": 1.0}
@@ -291,8 +291,9 @@ def main():
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, one round, each contender built once "
                     "for every pair it is in (checks the script runs)")
     args = ap.parse_args()
-    if args.smoke:  # seconds, not minutes: tiny shapes, one round, each contender compiled once
+    if args.smoke:  # seconds, not minutes: tiny shapes, a row per device, one round, each contender compiled once
         args.shapes, args.seq, args.rounds, args.steps, args.opt_params = ["smoke"], 8, 1, 1, 4096 * 8
+        args.batch = jax.device_count()
     for name in args.shapes:
         gpt_case(name, args)
     if not args.no_optimizer_bound:

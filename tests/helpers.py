@@ -23,6 +23,29 @@ def child_env(devices=None, **extra) -> dict:
     return env
 
 
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+# A benchmark's --smoke figures mean nothing, so its child compiles with XLA's older CPU emitters
+# (--xla_cpu_use_fusion_emitters=false), which compile these programs about twice as fast; the
+# suite's own tests keep the default (see tests/conftest.py).
+SMOKE_FLAGS = "--xla_cpu_use_fusion_emitters=false"
+
+
+def run_benchmark(script: str, *args: str, timeout: float = 600) -> str:
+    """Run ``benchmarks/<script> *args`` in a child JAX process (:func:`child_env` plus
+    :data:`SMOKE_FLAGS`), assert it succeeded and return its stdout."""
+    import subprocess
+    import sys
+
+    env = child_env()
+    env["XLA_FLAGS"] = f"{env['XLA_FLAGS']} {SMOKE_FLAGS}".strip()
+    root = os.path.dirname(BENCH)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    out = subprocess.run([sys.executable, os.path.join(BENCH, script), *args], cwd=BENCH, env=env,
+                         capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out.stdout
+
+
 def init_params(key):
     k1, k2, k3, k4 = jax.random.split(key, 4)
     return {

@@ -1,21 +1,13 @@
 """The benchmark scripts that need a GPU or a long run keep working: their --smoke modes run here
-on tiny shapes (the figures mean nothing on the CPU; the scripts must not rot). The smoke modes
-compile each contender once; the two scripts share vs_plain_jax's code, so gpu_check's smoke
-run times one of its ratios and vs_plain_jax's every one."""
-import pathlib
-import subprocess
-import sys
+on tiny shapes (the figures mean nothing on the CPU; the scripts must not rot). Each runs in its
+own process, as a user runs it, compiled with XLA's older CPU emitters (tests.helpers.SMOKE_FLAGS).
 
-from tests.helpers import child_env
-
-BENCH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
-
-
-def run(script, *args, timeout=600):
-    out = subprocess.run([sys.executable, str(BENCH / script), *args], cwd=BENCH, env=child_env(), capture_output=True,
-                         text=True, timeout=timeout)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    return out.stdout
+The smoke modes compile each contender once, at one GPT layer (compile_time: 1 and 2, for its
+slope) and one batch row per device; the two scripts share vs_plain_jax's code, so gpu_check's
+smoke run times one of its ratios and one optimizer, and vs_plain_jax's every ratio and every
+optimizer. compile_time's smoke counts recompiles over 4 steps with a save every 2, a restore and
+finish(), and times the persistent cache cold and warm in two child processes (stage 3 only)."""
+from tests.helpers import run_benchmark as run
 
 
 def test_gpu_check_smoke_runs_every_section():

@@ -1,7 +1,4 @@
 """PipelineModel over a "pipe" mesh axis against plain optax on ``pipe.loss`` (tiny GPT, fp32)."""
-import pathlib
-import subprocess
-import sys
 import warnings
 
 import jax
@@ -11,7 +8,7 @@ import optax
 import pytest
 
 import zerojax as zj
-from tests.helpers import child_env
+from tests.helpers import run_benchmark
 from zerojax.models.gpt import GPTConfig
 from zerojax.models.gpt_pipeline import gpt_pipeline, init_pipeline_params
 from zerojax.pipeline._schedule import NONE, SCHEDULES, check, make_schedule, theory_idle_fraction
@@ -256,10 +253,9 @@ def test_deepspeed_pipeline_block():
 
 @pytest.mark.slow
 def test_benchmark_smoke_prints_both_sections():
-    bench = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
-    out = subprocess.run([sys.executable, str(bench / "pipeline.py"), "--smoke"], cwd=bench, env=child_env(),
-                         capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert "theory" in out.stdout and "0.3333" in out.stdout  # P = 2, M = 2
+    """benchmarks/pipeline.py --smoke in its own process: the 1F1B bubble at P = 2, M = 2 and one
+    timed round of the four contenders (two pipelines, ZeRO-1 and ZeRO-3) on a 4-layer GPT."""
+    out = run_benchmark("pipeline.py", "--smoke", timeout=900)
+    assert "theory" in out and "0.3333" in out  # P = 2, M = 2
     for name in ("pipe 2 x data 4, ZeRO-1", "pipe 4 x data 2, ZeRO-1", "data 8, ZeRO-1", "data 8, ZeRO-3"):
-        assert name in out.stdout
+        assert name in out

@@ -12,7 +12,7 @@ forward (the backward moves as much again); and step time at the smallest length
 N = 1 (on a CPU the figure says little beyond "it runs").
 
     python benchmarks/long_context.py                    # lengths 256 .. 4096
-    python benchmarks/long_context.py --smoke            # two lengths, a tiny model
+    python benchmarks/long_context.py --smoke            # one length, a tiny model
 """
 import argparse
 import re
@@ -45,10 +45,10 @@ def tiled_loss(cfg, chunk):
 def build(cfg, n, lean, chunk):
     ckpt = {"activation_checkpointing": {"cpu_checkpointing": True}} if lean else {}
     config = zj.ZeroConfig(stage=1, sequence_parallel_size=n, **ckpt)
-    mesh = mesh_for(config)
-    state = zj.abstract_train_state(lambda k: gpt.init_params(cfg, k), optax.adamw(1e-3), mesh=mesh, config=config)
+    mesh, tx = mesh_for(config), optax.adamw(1e-3)
+    state = zj.abstract_train_state(lambda k: gpt.init_params(cfg, k), tx, mesh=mesh, config=config)
     loss = tiled_loss(cfg, chunk) if lean else gpt.loss_fn(cfg)
-    return state, zj.make_train_step(loss, state), mesh
+    return state, zj.make_train_step(loss, state), mesh, (tx, config)
 
 
 def abstract_batch(mesh, seq):
@@ -58,11 +58,18 @@ def abstract_batch(mesh, seq):
 
 
 def all_to_all_bytes(text):
-    """Bytes of the all-to-all results in ``text`` (an HLO module), per device."""
-    total = 0
+    """Bytes of the all-to-all results in the loop bodies of ``text`` (an HLO module), per device:
+    with the layers scanned, one layer's forward and backward (the step's other all-to-alls, such
+    as the optimizer's over "data" x "seq", are outside the loops)."""
+    bodies = set(re.findall(r"body=%?([\w.\-]+)", text))
+    total, inside = 0, False
     for line in text.splitlines():
+        if line and not line[0].isspace():  # a computation's header (or its closing brace)
+            words = line.replace("ENTRY ", "").split()
+            inside = bool(words) and words[0].lstrip("%") in bodies
+            continue
         head, sep, _ = line.partition(" all-to-all(")
-        if not sep or "=" not in head:
+        if not inside or not sep or "=" not in head:
             continue  # the CPU backend writes a tiled all-to-all as a tuple of P pieces: every piece counts
         for kind, dims in re.findall(r"([a-z]+[0-9]*)\[([0-9,]*)\]", head.split("=", 1)[1]):
             total += _BYTES.get(kind, 4) * int(np.prod([int(x) for x in dims.split(",") if x] or [1]))
@@ -71,19 +78,22 @@ def all_to_all_bytes(text):
 
 def measure(cfg, n, lean, seq, chunk):
     cfg = gpt.GPTConfig(**{**cfg.__dict__, "seq_len": seq})
-    state, step, mesh = build(cfg, n, lean, chunk)
+    state, step, mesh, made = build(cfg, n, lean, chunk)
     compiled = step.lower(state, abstract_batch(mesh, seq)).compile()
     mem = compiled.memory_analysis()
     peak = mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes - mem.alias_size_in_bytes
-    return peak, compiled.as_text()
+    return peak, (compiled, state, mesh, *made)
 
 
-def step_time(cfg, n, seq, steps=3):
+def step_time(cfg, seq, measured, steps=3):
+    """Seconds per step of a step compiled by :func:`measure`, run on a real state."""
     cfg = gpt.GPTConfig(**{**cfg.__dict__, "seq_len": seq})
-    config = zj.ZeroConfig(stage=1, sequence_parallel_size=n)
-    state, step = zj.initialize(gpt.init_params(cfg, jax.random.PRNGKey(0)), gpt.loss_fn(cfg), config,
-                                optimizer=optax.adamw(1e-3))
-    rows = dict(state.plan.mesh.shape)["data"]
+    step, abstract, mesh, tx, config = measured
+    state = zj.shard_train_state(lambda k: gpt.init_params(cfg, k), tx, mesh=mesh, config=config,
+                                 rng=jax.random.PRNGKey(0))
+    # the same leaves under the compiled program's own tree (its plan object, not an equal one)
+    state = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(abstract), jax.tree_util.tree_leaves(state))
+    rows = dict(mesh.shape)["data"]
     toks = np.random.default_rng(0).integers(0, cfg.vocab, (rows, seq + 1)).astype(np.int32)
     batch = {"inputs": toks[:, :-1], "labels": toks[:, 1:]}
     state, m = step(state, batch)
@@ -97,7 +107,7 @@ def step_time(cfg, n, seq, steps=3):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--smoke", action="store_true", help="two lengths, a tiny model (seconds)")
+    ap.add_argument("--smoke", action="store_true", help="one length, a tiny model (seconds)")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--d", type=int, default=64)
     ap.add_argument("--heads", type=int, default=8)
@@ -106,26 +116,32 @@ def main():
     ap.add_argument("--budget-mib", type=float, default=None,
                     help="per-device budget (default: the N = 1 plain peak at the second length)")
     ap.add_argument("--chunk", type=int, default=128, help="tiled loss chunk (tokens)")
+    ap.add_argument("--attn-chunk", type=int, default=None,
+                    help="query rows attention takes at a time (default: zj.ulysses_attention chooses)")
     args = ap.parse_args()
     if args.smoke:
-        args.layers, args.d, args.vocab, args.lengths = 1, 32, 64, [64, 128]
+        args.layers, args.d, args.vocab, args.lengths = 2, 32, 64, [64]
     cfg = gpt.GPTConfig(vocab=args.vocab, n_layer=args.layers, d_model=args.d, n_head=args.heads,
-                        seq_len=args.lengths[0], scan=True)
+                        seq_len=args.lengths[0], scan=True,
+                        attn_chunk=args.attn_chunk)
     modes = [(False, "plain")] if args.smoke else [(False, "plain"), (True, "ckpt+cpu+tiled")]
-    print(f"GPT {args.layers} layers, d {args.d}, {args.heads} heads, vocab {args.vocab}; 8 devices, "
+    chunk = f"attention in chunks of {args.attn_chunk} queries" if args.attn_chunk else "attention chunk chosen"
+    print(f"GPT {args.layers} layers, d {args.d}, {args.heads} heads, vocab {args.vocab}, {chunk}; 8 devices, "
           f"stage 1, fp32, AdamW, one sequence per data-parallel group; peak MiB per device")
     print(f"{'seq':>6} " + " ".join(f"{f'N={n} {name}':>22}" for _, name in modes for n in (1, 8))
           + f" {'a2a KiB/layer':>14} {'/ 4sh/P fwd':>12}")
-    peaks, a2a = {}, {}
+    peaks, a2a, steps = {}, {}, {}
     for seq in args.lengths:
         row = []
         for lean, name in modes:
             for n in (1, 8):
-                peak, text = measure(cfg, n, lean, seq, args.chunk)
+                peak, measured = measure(cfg, n, lean, seq, args.chunk)
                 peaks[(n, name, seq)] = peak
                 row.append(f"{peak / MIB:>22.2f}")
                 if n == 8 and not lean:
-                    a2a[seq] = all_to_all_bytes(text)  # the scan body: one layer, forward and backward
+                    a2a[seq] = all_to_all_bytes(measured[0].as_text())  # the scan body: one layer, fwd and bwd
+                if seq == args.lengths[0] and not lean:
+                    steps[n] = measured  # timed below
         paper = 4 * seq * args.d * 4 / 8  # 4·s·h/P fp32 elements, the forward of one layer
         print(f"{seq:>6} " + " ".join(row) + f" {a2a[seq] / 1024:>14.1f} {a2a[seq] / paper:>12.2f}", flush=True)
     budget = args.budget_mib * MIB if args.budget_mib else peaks[(1, "plain", args.lengths[min(1, len(args.lengths) - 1)])]
@@ -137,8 +153,8 @@ def main():
         print(f"  {name:>16}: N=1 {fits[1]}, N=8 {fits[8]}{'+' if more else ''} -> {ratio:.1f}x"
               f"{' (at least: the longest length tried fits)' if more else ''} (goal >= 6x)")
     seq = args.lengths[0]
-    t1, l1 = step_time(cfg, 1, seq)
-    t8, l8 = step_time(cfg, 8, seq)
+    t1, l1 = step_time(cfg, seq, steps[1])
+    t8, l8 = step_time(cfg, seq, steps[8])
     print(f"\nstep time at seq {seq}: N=1 {t1 * 1e3:.1f} ms ({1} sequence per device), N=8 {t8 * 1e3:.1f} ms "
           f"(one sequence over 8 devices) -> {t8 / t1:.2f}x; tokens per device per step: N=1 {seq}, N=8 {seq // 8}")
 

@@ -2,6 +2,12 @@
 dim 1 is split over "seq", and zj.ulysses_attention attends over the whole sequence by an
 all-to-all to a head split. A GPT trained at N = 2 and 4 matches N = 1 and plain optax in loss,
 grad norm and params; GQA heads are split or repeated; bad sizes are refused by name."""
+import functools
+import pathlib
+import re
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,7 +17,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import zerojax as zj
-from zerojax._ulysses import attention
+from tests.helpers import child_env
+from zerojax._ulysses import AUTO_CHUNK, attention
 from zerojax.models import gpt
 
 CFG = gpt.GPTConfig(vocab=64, n_layer=2, d_model=32, n_head=4, seq_len=16, scan=True)
@@ -135,8 +142,8 @@ def reference(q, k, v, mask=None):
     return np.einsum("bhqk,bkhd->bqhd", s / s.sum(-1, keepdims=True), v)
 
 
-@pytest.mark.parametrize("kv_heads,n", [(2, 2), (1, 4), (4, 4)])
-def test_ulysses_attention_gqa(kv_heads, n):
+@pytest.mark.parametrize("kv_heads,n,chunk", [(2, 2, 6), (1, 4, None), (4, 4, None)])
+def test_ulysses_attention_gqa(kv_heads, n, chunk):
     mesh = zj.make_mesh((8 // n, n), ("data", "seq"))
     ks = jax.random.split(jax.random.PRNGKey(kv_heads + n), 3)
     q = jax.random.normal(ks[0], (4, 16, 4, 8))
@@ -146,8 +153,9 @@ def test_ulysses_attention_gqa(kv_heads, n):
     split = NamedSharding(mesh, P("data", "seq"))
 
     def f(q, k, v, m):
-        out = zj.ulysses_attention(q, k, v, causal=True, mask=m)
-        return out, jax.grad(lambda q: zj.ulysses_attention(q, k, v, causal=True, mask=m).sum())(q)
+        # chunk 6: three chunks of the 16 queries, the last padded
+        out = zj.ulysses_attention(q, k, v, causal=True, mask=m, chunk=chunk)
+        return out, jax.grad(lambda q: zj.ulysses_attention(q, k, v, causal=True, mask=m, chunk=chunk).sum())(q)
 
     with jax.sharding.use_mesh(mesh) if hasattr(jax.sharding, "use_mesh") else jax.set_mesh(mesh):
         args = [jax.device_put(a, split) for a in (q, k, v)]
@@ -164,6 +172,143 @@ def test_no_seq_axis_is_plain_attention():
     ks = jax.random.split(jax.random.PRNGKey(1), 3)
     q, k, v = (jax.random.normal(key, (2, 8, 4, 8)) for key in ks)
     np.testing.assert_allclose(zj.ulysses_attention(q, k, v), reference(q, k, v), rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- attention in chunks
+def _inputs(b, s, h, hk, d, seed=0):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 3)
+    return jax.random.normal(ks[0], (b, s, h, d)), *(jax.random.normal(x, (b, s, hk, d)) for x in ks[1:])
+
+
+def test_chunked_attention_equals_the_whole_in_values_and_gradients():
+    """GQA, a causal mask from an offset, a user mask and a per-head bias; chunks that divide the
+    40 queries and ones that do not (padded): values against numpy, gradients of q, k, v and the
+    bias against the unchunked computation."""
+    q, k, v = _inputs(2, 40, 4, 2, 8)
+    rng = np.random.default_rng(1)
+    mask = rng.random((2, 1, 40, 40)) > 0.3
+    mask[..., 0] = True
+    bias = jnp.asarray(rng.normal(size=(1, 4, 40, 40)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(2, 40, 4, 8)), jnp.float32)  # a loss that weighs every output
+
+    def loss(chunk, q, k, v, bias):
+        return (attention(q, k, v, causal=True, mask=mask, bias=bias, q_offset=3, chunk=chunk) * w).sum()
+
+    grads = jax.jit(jax.grad(functools.partial(loss, 40), argnums=(0, 1, 2, 3)))(q, k, v, bias)
+    # numpy: the causal mask with offset 3 lets query i see keys 0..i+3
+    qn, kn, vn = (np.repeat(np.asarray(a, np.float64), 4 // a.shape[2], axis=2) for a in (q, k, v))
+    sc = np.einsum("bqhd,bkhd->bhqk", qn, kn) / np.sqrt(8) + np.asarray(bias, np.float64)
+    keep = (np.arange(40)[None, :] <= np.arange(40)[:, None] + 3) & mask
+    sc = np.where(keep, sc, -np.inf)
+    sc = np.exp(sc - sc.max(-1, keepdims=True))
+    want = np.einsum("bhqk,bkhd->bqhd", sc / sc.sum(-1, keepdims=True), vn)
+    for chunk in (8, 16, 7):  # 5 chunks; 3 chunks, the last padded by 8; 6 chunks, padded by 2
+        out = jax.jit(lambda q, k, v, b: attention(q, k, v, mask=mask, bias=b, q_offset=3, chunk=chunk))(q, k, v, bias)
+        np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+        got = jax.jit(jax.grad(functools.partial(loss, chunk), argnums=(0, 1, 2, 3)))(q, k, v, bias)
+        for g, r in zip(got, grads):
+            np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5)
+
+
+def test_the_chunk_is_chosen_by_length():
+    """Up to AUTO_CHUNK queries attend whole (the program of before, no loop); longer ones loop
+    over equal chunks of at most AUTO_CHUNK rows."""
+    def loop_lengths(s):
+        q = jax.ShapeDtypeStruct((1, s, 2, 4), jnp.float32)
+        jaxpr = jax.make_jaxpr(lambda q: attention(q, q, q))(q)
+        return [e.params["length"] for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan"]
+
+    assert loop_lengths(AUTO_CHUNK) == []
+    assert loop_lengths(AUTO_CHUNK + 1) == [2]  # two chunks of 257 rows, one padded
+    assert loop_lengths(4 * AUTO_CHUNK) == [4]
+
+
+def test_chunked_gradient_never_holds_the_whole_scores():
+    """The compiled gradient of attention over 2048 tokens: the scores alone are 64 MiB in fp32;
+    unchunked, the program holds more than that, in chunks of 128 rows less than a third of it."""
+    spec = jax.ShapeDtypeStruct((1, 2048, 4, 16), jnp.float32)
+    scores = 4 * 2048 * 2048 * 4
+
+    def temp(chunk):
+        f = jax.jit(jax.grad(lambda q, k, v: attention(q, k, v, chunk=chunk).sum(), argnums=(0, 1, 2)))
+        return f.lower(spec, spec, spec).compile().memory_analysis().temp_size_in_bytes
+
+    assert temp(2048) > scores
+    assert temp(128) < scores / 3
+
+
+def test_refuses_a_chunk_that_is_not_a_number_of_rows():
+    q = jnp.zeros((1, 8, 2, 4))
+    for bad in (0, -4, 2.5, True):
+        with pytest.raises(zj.ZeroJaxError, match=r"chunk=.* is not a positive number of query rows"):
+            attention(q, q, q, chunk=bad)
+
+
+# --------------------------------------------------------------------------- the all-to-all's dtype
+def _a2a_kinds(lowered):
+    """The element types the all-to-alls of a lowered program carry. The program zerojax hands
+    XLA, not the compiled one: XLA's CPU backend has no bf16 collectives and widens them to f32
+    (a GPU's keeps them)."""
+    return {kind for line in lowered.as_text().splitlines() if "stablehlo.all_to_all" in line
+            for kind in re.findall(r"x([a-z]+[0-9]+)>", line.rsplit(" : ", 1)[-1])}
+
+
+def test_comm_dtype_carries_the_all_to_alls_in_bf16():
+    """comm_dtype="bf16": every all-to-all (forward and backward) moves bf16; the values are those
+    of attention over q, k, v rounded to bf16, the output rounded again, and come back fp32."""
+    mesh = zj.make_mesh((4, 2), ("data", "seq"))
+    q, k, v = _inputs(4, 16, 4, 2, 8, seed=3)
+    split = NamedSharding(mesh, P("data", "seq"))
+
+    def f(q, k, v):
+        out = zj.ulysses_attention(q, k, v, comm_dtype="bf16")
+        return out, jax.grad(lambda q: zj.ulysses_attention(q, k, v, comm_dtype="bf16").sum())(q)
+
+    with jax.sharding.use_mesh(mesh) if hasattr(jax.sharding, "use_mesh") else jax.set_mesh(mesh):
+        args = [jax.device_put(a, split) for a in (q, k, v)]
+        out, _ = jax.jit(f)(*args)
+        lowered = jax.jit(f).lower(*args)
+    assert _a2a_kinds(lowered) == {"bf16"}
+    r = lambda a: a.astype(jnp.bfloat16).astype(jnp.float32)  # noqa: E731
+    np.testing.assert_allclose(out, r(attention(r(q), r(k), r(v))), rtol=1e-6, atol=1e-6)
+    assert out.dtype == jnp.float32
+
+
+def test_the_deepspeed_comm_dtype_reaches_the_step():
+    """seq_parallel_communication_data_type sets ZeroConfig.seq_parallel_comm_dtype, and the step's
+    ulysses_attention carries its all-to-alls in it; "fp32" (the default) leaves them fp32."""
+    cfg = zj.ZeroConfig.from_deepspeed({"train_micro_batch_size_per_gpu": 1, "sequence_parallel_size": 2,
+                                        "seq_parallel_communication_data_type": "bf16"})
+    assert cfg.seq_parallel_comm_dtype == "bf16"
+    assert zj.ZeroConfig().seq_parallel_comm_dtype == "fp32"
+    with pytest.raises(zj.ZeroJaxError, match="seq_parallel_communication_data_type='int8'.*'bf16'"):
+        zj.ZeroConfig.from_deepspeed({"train_micro_batch_size_per_gpu": 1,
+                                      "seq_parallel_communication_data_type": "int8"})
+
+    def loss(params, b):
+        x = b["x"] @ params["w"]  # [batch, seq, 4 heads x 8]
+        q = x.reshape(x.shape[0], x.shape[1], 4, 8)
+        return zj.ulysses_attention(q, q, q).sum()
+
+    params = {"w": jnp.ones((8, 32)) * 0.1}
+    bt = {"x": np.random.default_rng(0).normal(size=(4, 16, 8)).astype(np.float32)}
+    kinds = {}
+    for dtype in ("fp32", "bf16"):
+        config = zj.ZeroConfig(sequence_parallel_size=2, seq_parallel_comm_dtype=dtype)
+        state, step = zj.initialize(params, loss, config, optimizer=optax.sgd(0.1))
+        kinds[dtype] = _a2a_kinds(step.lower(state, bt))
+    assert kinds == {"fp32": {"f32"}, "bf16": {"bf16"}}
+
+
+# --------------------------------------------------------------------------- the benchmark
+def test_long_context_smoke_prints_every_section():
+    bench = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
+    out = subprocess.run([sys.executable, str(bench / "long_context.py"), "--smoke"], cwd=bench, env=child_env(),
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    for section in ("peak MiB per device", "a2a KiB/layer", "the longest sequence that fits", "plain: N=1",
+                    "step time at seq"):
+        assert section in out.stdout, out.stdout
 
 
 # --------------------------------------------------------------------------- refusals

@@ -249,6 +249,8 @@ def read_deepspeed(path_or_dict, training_args=None, world_size: Optional[int] =
     fields, paths = zero_fields(cfg.get("zero_optimization", {}), v)
     fields.update(tp)
     fields["sequence_parallel_size"] = sp
+    comm = read_block({k: cfg[k] for k in ("seq_parallel_communication_data_type",) if k in cfg}, TOP, "", v)
+    fields["seq_parallel_comm_dtype"] = comm.get("seq_parallel_communication_data_type", "fp32")
     precision, precision_paths = precision_fields(cfg, v)
     fields.update(precision)
     low_precision_rules(fields, {**paths, **precision_paths}, v)

@@ -320,7 +320,6 @@ TOP: dict = {
                                      "to get DeepSpeed's \"sum\""),
     "communication_data_type": _ignored(None, optional(string), "zerojax reduces gradients in their compute "
                                         "dtype and accumulates in fp32"),
-    "seq_parallel_communication_data_type": _ignored("fp32", optional(string), _NOT_HERE),
     "zero_allow_untested_optimizer": _ignored(False, boolean, "every optax optimizer works with every stage",
                                               off=_any_bool),
     "zero_force_ds_cpu_optimizer": _ignored(True, boolean, "the host update runs the optax optimizer itself",

@@ -213,6 +213,10 @@ FIELDS: dict[str, FieldSpec] = {f.name: f for f in (
               "a divisor of the device count", ("sequence_parallel_size",),
               doc="Ulysses (zerojax._ulysses): a ('data', 'seq') mesh of world / sequence_parallel_size x "
               "sequence_parallel_size, each batch leaf's dim 1 split over 'seq'"),
+    FieldSpec("seq_parallel_comm_dtype", "fp32", choice("fp32", "bf16", "fp16"), 'use "fp32" (the inputs\' own '
+              'type), "bf16" or "fp16"', ("seq_parallel_communication_data_type",),
+              doc="the type zj.ulysses_attention's all-to-alls carry q, k, v and the output in (cast back after); "
+              "fp32 leaves them as they are"),
     FieldSpec("autotp_vocab_parallel", False, boolean, "use true or false", ("tensor_parallel.vocab_parallel_lm_head",),
               doc="AutoTP also splits the token embedding and lm_head along the vocabulary"),
     # precision

@@ -31,6 +31,7 @@ class ZeroConfig:
     data_axis: str = _D["data_axis"]
     autotp_size: int = _D["autotp_size"]  # tensor-parallel devices on the "model" axis (zerojax._autotp); 1: off
     sequence_parallel_size: int = _D["sequence_parallel_size"]  # Ulysses devices on the "seq" axis; 1: off
+    seq_parallel_comm_dtype: str = _D["seq_parallel_comm_dtype"]  # fp32 | bf16 | fp16: Ulysses' all-to-all type
     autotp_vocab_parallel: bool = _D["autotp_vocab_parallel"]  # AutoTP also splits embedding and lm_head
     # --- precision ------------------------------------------------------------------
     precision: str = _D["precision"]  # fp32 | bf16 | fp16

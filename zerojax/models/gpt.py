@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +34,7 @@ class GPTConfig:
     n_head: int = 12
     seq_len: int = 1024
     scan: bool = False
+    attn_chunk: Optional[int] = None  # query rows attended at a time (zj.ulysses_attention; None chooses)
 
     @property
     def n_params(self) -> int:
@@ -95,7 +97,7 @@ def _block(cfg: GPTConfig, x, p):
     qkv = _dense(_layer_norm(x, p["ln1"]), p["attn"]["qkv"])
     q, k, v = jnp.split(qkv.reshape(b, t, 3, h, d // h), 3, axis=2)
     # [b, t, heads, head_dim]; over a "seq" mesh axis, all-to-all to a head split and back
-    y = ulysses_attention(q[:, :, 0], k[:, :, 0], v[:, :, 0], causal=True).reshape(b, t, d)
+    y = ulysses_attention(q[:, :, 0], k[:, :, 0], v[:, :, 0], causal=True, chunk=cfg.attn_chunk).reshape(b, t, d)
     x = x + _dense(y, p["attn"]["proj"])
     m = jax.nn.gelu(_dense(_layer_norm(x, p["ln2"]), p["mlp"]["fc"]))
     return x + _dense(m, p["mlp"]["proj"])

@@ -32,6 +32,7 @@ from zerojax._errors import ConfigError
 from zerojax._mesh import SEQ
 from zerojax._plan import ZeroPlan
 from zerojax._remat import config_scope
+from zerojax._ulysses import comm_scope
 from zerojax.stages import _collectives as C
 from zerojax.stages._stage3 import gathered_loss
 from zerojax.stages._zeropp import Wire
@@ -59,6 +60,8 @@ def grads_fn(loss_fn: Callable, plan: ZeroPlan, has_aux: bool = False):
     takes_rng = loss_arity(loss_fn) >= 3
     # zj.remat in the loss checkpoints as the config's activation_checkpointing block says
     loss_fn = config_scope(loss_fn, cfg.activation_checkpointing)
+    # and zj.ulysses_attention carries its all-to-alls in the config's seq_parallel_comm_dtype
+    loss_fn = comm_scope(loss_fn, cfg.seq_parallel_comm_dtype)
     f32 = jnp.float32
     stage3_loss = gathered_loss(loss_fn, plan, takes_rng) if any(lay.params_partitioned for lay in plan.leaves) else None
 

@@ -180,6 +180,7 @@ def _inputs(b, s, h, hk, d, seed=0):
     return jax.random.normal(ks[0], (b, s, h, d)), *(jax.random.normal(x, (b, s, hk, d)) for x in ks[1:])
 
 
+@pytest.mark.slow  # about 27 s on a loaded machine: three chunk sizes, values and gradients
 def test_chunked_attention_equals_the_whole_in_values_and_gradients():
     """GQA, a causal mask from an offset, a user mask and a per-head bias; chunks that divide the
     40 queries and ones that do not (padded): values against numpy, gradients of q, k, v and the
@@ -301,6 +302,7 @@ def test_the_deepspeed_comm_dtype_reaches_the_step():
 
 
 # --------------------------------------------------------------------------- the benchmark
+@pytest.mark.slow  # about 60 s: a fresh process compiling each contender
 def test_long_context_smoke_prints_every_section():
     bench = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
     out = subprocess.run([sys.executable, str(bench / "long_context.py"), "--smoke"], cwd=bench, env=child_env(),

@@ -46,13 +46,20 @@ def config_scope(fn: Callable, block: Optional[dict]) -> Callable:
     ``activation_checkpointing``, or None) visible to every ``zj.remat`` it calls. The
     signature is ``fn``'s (``inspect.signature`` follows the wrapper)."""
 
+    return traced_with(_BLOCK, block, fn)
+
+
+def traced_with(var: contextvars.ContextVar, value, fn: Callable) -> Callable:
+    """``fn`` that runs (traces) with ``var`` set to ``value``, restored after: how a step makes
+    a config setting visible to the model code it traces."""
+
     @functools.wraps(fn)
     def scoped(*args, **kwargs):
-        token = _BLOCK.set(block)
+        token = var.set(value)
         try:
             return fn(*args, **kwargs)
         finally:
-            _BLOCK.reset(token)
+            var.reset(token)
 
     return scoped
 

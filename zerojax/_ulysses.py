@@ -28,6 +28,7 @@ from jax.sharding import PartitionSpec as P
 from zerojax._compat import shard_map
 from zerojax._errors import ConfigError
 from zerojax._mesh import SEQ
+from zerojax._remat import traced_with
 
 __all__ = ["AUTO_CHUNK", "COMM_DTYPES", "SEQ", "attention", "comm_scope", "seq_size", "ulysses_attention"]
 
@@ -161,15 +162,7 @@ def comm_scope(fn: Callable, dtype: Optional[str]) -> Callable:
     """``fn`` (a loss) that traces with ``dtype`` (the config's ``seq_parallel_comm_dtype``) as the
     type every :func:`ulysses_attention` it calls carries over its all-to-alls."""
 
-    @functools.wraps(fn)
-    def scoped(*args, **kwargs):
-        token = _COMM.set(dtype)
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            _COMM.reset(token)
-
-    return scoped
+    return traced_with(_COMM, dtype, fn)
 
 
 def _wire_dtype(comm_dtype: Optional[str]):

@@ -149,3 +149,24 @@ def count_compiles():
         yield seen
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def not_persisted():
+    """A block whose compiled programs are not written to JAX's persistent compilation cache
+    (the threshold of compile seconds a program must pass to be written, set out of reach)."""
+    try:
+        from jax._src import config as _config
+
+        return _config.persistent_cache_min_compile_time_secs(float("inf"))
+    except (ImportError, AttributeError, TypeError):  # pragma: no cover - a jax without the state
+        return contextlib.nullcontext()
+
+
+def persisting_breaks(plan) -> bool:
+    """Whether ``plan``'s step must stay out of the persistent compilation cache: on CPU devices, a
+    step over a "seq" axis whose checkpoints go to host memory (``cpu_checkpointing``) compiles and
+    runs, but the same program read back from the cache deadlocks in its collectives (the devices
+    of one group wait at different all-gathers / all-to-alls until XLA aborts the process)."""
+    block = plan.config.activation_checkpointing or {}
+    return (plan.mesh.shape.get("seq", 1) > 1 and bool(block.get("cpu_checkpointing"))
+            and plan.mesh.devices.flat[0].platform == "cpu")

@@ -14,10 +14,12 @@ carrying the returned state as ``.state``.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Mapping, Protocol, runtime_checkable
 
 import jax
 
+from zerojax._compat import not_persisted, persisting_breaks
 from zerojax._errors import BatchError, LossScaleError, NonFiniteError, StateError
 from zerojax._plan import ZeroPlan, path_str
 from zerojax._state import TrainState
@@ -107,6 +109,7 @@ class JittedStep(StepBase):
         self.jitted = jitted
         self.plan = plan
         self.check_errors = check_errors
+        self._compiling = not_persisted if persisting_breaks(plan) else contextlib.nullcontext
 
     def lower(self, state, batch):
         self._check(state, batch)
@@ -114,7 +117,8 @@ class JittedStep(StepBase):
 
     def __call__(self, state: TrainState, batch):
         self._check(state, batch)
-        new_state, metrics = self.jitted(state, batch)
+        with self._compiling():
+            new_state, metrics = self.jitted(state, batch)
         self._report(new_state, metrics)
         return new_state, metrics
 

@@ -57,6 +57,7 @@ KEY_VALUES = {
     "zero_optimization.stage": (2, 2),
     "tensor_parallel.autotp_size": (2, 2),
     "sequence_parallel_size": (2, 2),
+    "seq_parallel_communication_data_type": ("bf16", "bf16"),
     "tensor_parallel.vocab_parallel_lm_head": (True, True),
     "zero_optimization.reduce_scatter": (False, False),
     "zero_optimization.reduce_bucket_size": (1e6, 1_000_000),

@@ -7,8 +7,9 @@ sequence over 8 devices), the compiled per-device peak (``compiled.memory_analys
 + outputs + temporaries - aliased), plain and with the ``activation_checkpointing`` block
 (``cpu_checkpointing``) and ``zj.tiled_cross_entropy``. Then: the longest sequence under a fixed
 per-device budget at N = 8 against N = 1 (goal >= 6x); the all-to-all bytes of one layer read
-from the compiled program (the scan's body) against the Ulysses paper's 4·s·h/P elements per
-forward (the backward moves as much again); and step time at the smallest length, N = 8 beside
+from the compiled program (the scan's body: forward and backward) against the Ulysses paper's
+4·s·h/P elements per pass, twice (the backward's all-to-alls carry the gradients of the forward's
+four: goal <= 1.05); and step time at the smallest length, N = 8 beside
 N = 1 (on a CPU the figure says little beyond "it runs").
 
     python benchmarks/long_context.py                    # lengths 256 .. 4096
@@ -129,7 +130,7 @@ def main():
     print(f"GPT {args.layers} layers, d {args.d}, {args.heads} heads, vocab {args.vocab}, {chunk}; 8 devices, "
           f"stage 1, fp32, AdamW, one sequence per data-parallel group; peak MiB per device")
     print(f"{'seq':>6} " + " ".join(f"{f'N={n} {name}':>22}" for _, name in modes for n in (1, 8))
-          + f" {'a2a KiB/layer':>14} {'/ 4sh/P fwd':>12}")
+          + f" {'a2a KiB/layer':>14} {'/ 2x4sh/P':>10}")
     peaks, a2a, steps = {}, {}, {}
     for seq in args.lengths:
         row = []
@@ -142,8 +143,8 @@ def main():
                     a2a[seq] = all_to_all_bytes(measured[0].as_text())  # the scan body: one layer, fwd and bwd
                 if seq == args.lengths[0] and not lean:
                     steps[n] = measured  # timed below
-        paper = 4 * seq * args.d * 4 / 8  # 4·s·h/P fp32 elements, the forward of one layer
-        print(f"{seq:>6} " + " ".join(row) + f" {a2a[seq] / 1024:>14.1f} {a2a[seq] / paper:>12.2f}", flush=True)
+        paper = 2 * 4 * seq * args.d * 4 / 8  # 4·s·h/P fp32 elements a pass, forward and backward, one layer
+        print(f"{seq:>6} " + " ".join(row) + f" {a2a[seq] / 1024:>14.1f} {a2a[seq] / paper:>10.2f}", flush=True)
     budget = args.budget_mib * MIB if args.budget_mib else peaks[(1, "plain", args.lengths[min(1, len(args.lengths) - 1)])]
     print(f"\nbudget {budget / MIB:.2f} MiB per device: the longest sequence that fits")
     for _, name in modes:

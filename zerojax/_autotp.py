@@ -102,18 +102,27 @@ def check_autotp_mesh(mesh: Mesh, autotp_size: int, data_axis: str = "data") -> 
             f"{MODEL!r} size")
 
 
+def _raw(config) -> dict:
+    """A DeepSpeed dict, or the one read from a JSON path with the reader's own loading (its errors
+    name the file); {} for anything else."""
+    if isinstance(config, (str, os.PathLike)):
+        from zerojax.config._deepspeed import _load
+        config = _load(config)
+    return config if isinstance(config, dict) else {}
+
+
+def _size(value) -> int:
+    """A size key's value, or 1 for a value the reader will refuse (it says why, not this)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else 1
+
+
 def autotp_size_of(config) -> int:
     """The ``autotp_size`` of a ZeroConfig, a DeepSpeed dict or a DeepSpeed JSON path (1 when
     absent; a value the reader will refuse reads as 1 here)."""
     if hasattr(config, "autotp_size"):
         return int(config.autotp_size)
-    if isinstance(config, (str, os.PathLike)):
-        from zerojax.config._deepspeed import _load  # the reader's own loading (errors name the file)
-        config = _load(config)
-    block = config.get("tensor_parallel") if isinstance(config, dict) else None
-    size = block.get("autotp_size", 1) if isinstance(block, dict) else 1
-    ok = isinstance(size, int) and not isinstance(size, bool) and size >= 1
-    return size if ok else 1
+    block = _raw(config).get("tensor_parallel")
+    return _size(block.get("autotp_size", 1) if isinstance(block, dict) else 1)
 
 
 def sequence_parallel_size_of(config) -> int:
@@ -121,12 +130,7 @@ def sequence_parallel_size_of(config) -> int:
     (1 when absent; a value the reader will refuse reads as 1 here)."""
     if hasattr(config, "sequence_parallel_size"):
         return int(config.sequence_parallel_size)
-    if isinstance(config, (str, os.PathLike)):
-        from zerojax.config._deepspeed import _load
-        config = _load(config)
-    size = config.get("sequence_parallel_size", 1) if isinstance(config, dict) else 1
-    ok = isinstance(size, int) and not isinstance(size, bool) and size >= 1
-    return size if ok else 1
+    return _size(_raw(config).get("sequence_parallel_size", 1))
 
 
 def _check_seq_mesh(mesh: Mesh, sp: int) -> None:

@@ -59,6 +59,18 @@ class AdamRecipe:
     constants: Optional[dict] = None
 
 
+@jax.jit
+def _adam_leaf(p, g, m, v, c):
+    """One leaf's gated AdamW update, ``c`` its step's scalars. Jitted so that it is traced once
+    per leaf shape and dtype: a model's layers share their shapes, and the step's trace inlines it."""
+    g = zero_unless(c["apply"], g)
+    m = c["take1"] * g + c["keep1"] * m
+    v = c["take2"] * (g ** 2) + c["keep2"] * v
+    u = (m / c["bc1"].astype(m.dtype)) / (jnp.sqrt(v / c["bc2"].astype(v.dtype) + c["eps_root"]) + c["eps"])
+    u = u + c["wd"] * p
+    return (p + c["step"] * u).astype(p.dtype), m, v
+
+
 def gated_adam(recipe: AdamRecipe, tx, params, grads, opt_state, apply):
     """``(params, opt_state)`` after one AdamW update where ``apply`` (a traced bool) is true,
     exactly unchanged where it is false; ``grads`` may be non-finite when it is false.
@@ -77,15 +89,9 @@ def gated_adam(recipe: AdamRecipe, tx, params, grads, opt_state, apply):
     step = jnp.where(apply, -lr, 0.0)
     bc1, bc2 = 1 - b1 ** count, 1 - b2 ** count
 
-    def leaf(p, g, m, v):
-        g = zero_unless(apply, g)
-        m = take1 * g + keep1 * m
-        v = take2 * (g ** 2) + keep2 * v
-        u = (m / bc1.astype(m.dtype)) / (jnp.sqrt(v / bc2.astype(v.dtype) + eps_root) + eps)
-        u = u + wd * p
-        return (p + step * u).astype(p.dtype), m, v
-
-    out = jax.tree_util.tree_map(leaf, params, grads, node.mu, node.nu)
+    c = dict(apply=apply, take1=take1, keep1=keep1, take2=take2, keep2=keep2, step=step, bc1=bc1, bc2=bc2,
+             eps=eps, eps_root=eps_root, wd=wd)
+    out = jax.tree_util.tree_map(lambda p, g, m, v: _adam_leaf(p, g, m, v, c), params, grads, node.mu, node.nu)
     new_p, mu, nu = (unzip_leaves(params, out, i) for i in range(3))
     # the scalars (counts, hyperparameters) advance only on an applied step
     scalars = select_scalars(apply, after, before)

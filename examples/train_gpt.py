@@ -61,25 +61,32 @@ def sample_batch(rng, data, batch, seq):
     return {"inputs": tokens[:, :-1], "labels": tokens[:, 1:]}
 
 
-def config_sequence_parallel(path: str):
-    """A DeepSpeed JSON's sequence_parallel_size (None when it has none, or cannot be read: zj.initialize
-    then says what is wrong with the file)."""
+def read_config(path: str) -> dict:
+    """A DeepSpeed JSON as a dict ({} when it cannot be read: zj.initialize then says what is wrong
+    with the file)."""
     try:
         with open(path) as f:
-            value = json.load(f).get("sequence_parallel_size")
-    except (OSError, ValueError, AttributeError):
-        return None
+            raw = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return raw if isinstance(raw, dict) else {}
+
+
+def config_sequence_parallel(raw: dict):
+    """A DeepSpeed config's sequence_parallel_size (None when it has none)."""
+    value = raw.get("sequence_parallel_size")
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def config_precision(path: str) -> str:
-    """The precision a DeepSpeed JSON asks for: its enabled fp16/bf16 block, bf16 where they say "auto"."""
-    with open(path) as f:
-        raw = json.load(f)
-    for name in ("fp16", "bf16"):
-        if (raw.get(name) or {}).get("enabled") is True:
+def config_precision(raw: dict) -> str:
+    """The precision a DeepSpeed config asks for: its enabled fp16/bf16 block, bf16 where one says
+    "auto" (filled from the training arguments, which then ask for bf16), fp32 without either."""
+    enabled = {name: (raw.get(name) or {}).get("enabled") if isinstance(raw.get(name), dict) else None
+               for name in ("fp16", "bf16")}
+    for name, value in enabled.items():
+        if value is True:
             return name
-    return "bf16"
+    return "bf16" if "auto" in enabled.values() else "fp32"
 
 
 def build(args, cfg, mesh):
@@ -184,14 +191,15 @@ def main(argv=None):
     ap.add_argument("--scan", action="store_true", help="stack the layers and run them with lax.scan")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    in_file = config_sequence_parallel(args.deepspeed_config) if args.deepspeed_config else None
+    raw = read_config(args.deepspeed_config) if args.deepspeed_config else {}
+    in_file = config_sequence_parallel(raw)
     if in_file is not None and args.seq_parallel not in (None, in_file):
         ap.error(f"--seq-parallel {args.seq_parallel} but {args.deepspeed_config} has sequence_parallel_size "
                  f"{in_file}: set it in one place")
     args.seq_parallel = args.seq_parallel or in_file or 1
     if args.precision is None:
         cpu_seq = args.seq_parallel > 1 and jax.devices()[0].platform == "cpu"
-        args.precision = (config_precision(args.deepspeed_config) if args.deepspeed_config
+        args.precision = (config_precision(raw) if args.deepspeed_config
                           else "fp32" if cpu_seq else "bf16")
 
     data = load_corpus()

@@ -308,3 +308,28 @@ def test_example_script_trains():
     spec.loader.exec_module(module)
     losses = module.main(["--steps", "4", "--warmup", "1"])
     assert len(losses) == 4 and np.isfinite(losses).all() and losses[-1] < losses[0]
+
+
+def _train_gpt():
+    spec = importlib.util.spec_from_file_location("train_gpt", ROOT / "examples" / "train_gpt.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("raw,want", [({}, "fp32"), ({"bf16": {"enabled": False}}, "fp32"),
+                                      ({"fp16": {"enabled": True}}, "fp16"), ({"bf16": {"enabled": True}}, "bf16"),
+                                      ({"bf16": {"enabled": "auto"}}, "bf16"), ({"fp16": None}, "fp32")])
+def test_the_example_trains_in_the_precision_its_deepspeed_file_asks_for(raw, want):
+    # DeepSpeed trains in fp32 without an enabled fp16/bf16 block
+    assert _train_gpt().config_precision(raw) == want
+
+
+def test_the_example_refuses_two_sequence_parallel_sizes(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "sequence_parallel_size": 2}))
+    module = _train_gpt()
+    assert module.config_sequence_parallel(module.read_config(str(path))) == 2
+    assert module.read_config(str(tmp_path / "missing.json")) == {}
+    with pytest.raises(SystemExit):
+        module.main(["--deepspeed-config", str(path), "--seq-parallel", "4"])

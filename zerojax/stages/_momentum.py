@@ -43,6 +43,13 @@ class MomentumRecipe:
     constants: Optional[dict] = None
 
 
+@jax.jit
+def _momentum_leaf(p, g, t, c):
+    """One leaf's gated update, ``c`` its step's scalars; traced once per leaf shape and dtype."""
+    t = zero_unless(c["apply"], g) + c["keep"] * t
+    return (p + c["step"] * t).astype(p.dtype), t
+
+
 def gated_momentum(recipe: MomentumRecipe, tx, params, grads, opt_state, apply):
     """``(params, opt_state)`` after one SGD-momentum update where ``apply`` is true, exactly
     unchanged where it is false (``grads`` may then be non-finite). optax's arithmetic:
@@ -53,11 +60,8 @@ def gated_momentum(recipe: MomentumRecipe, tx, params, grads, opt_state, apply):
     keep = jnp.where(apply, hp["momentum"], jnp.float32(1.0))
     step = jnp.where(apply, -hp["learning_rate"], 0.0)
 
-    def leaf(p, g, t):
-        t = zero_unless(apply, g) + keep * t
-        return (p + step * t).astype(p.dtype), t
-
-    out = jax.tree_util.tree_map(leaf, params, grads, node.trace)
+    c = dict(apply=apply, keep=keep, step=step)
+    out = jax.tree_util.tree_map(lambda p, g, t: _momentum_leaf(p, g, t, c), params, grads, node.trace)
     new_p, trace = (unzip_leaves(params, out, i) for i in range(2))
     scalars = select_scalars(apply, after, before)
     return new_p, replace_node(scalars, _node(scalars)._replace(trace=trace))

@@ -186,7 +186,7 @@ class _Interpreter:
                 if out is not None:
                     return out
             if prim.name == "gather":
-                out = _sharded_lookup(eqn, invals)
+                out = _sharded_lookup(eqn, invals, self.slicing)
                 if out is not None:
                     return out
             return _use_site(lambda vals: _bind(eqn, vals), invals, anchor)

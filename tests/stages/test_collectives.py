@@ -277,6 +277,37 @@ def test_tied_table_larger_than_a_fetch_is_never_whole_and_matches_plain_sgd(sca
     assert max_rel_err(state.full_params(), p) < 1e-5
 
 
+def test_tied_table_split_along_its_rows_is_sliced_too_and_matches_plain_sgd():
+    # 4000 x 64: the rows divide 8 devices, so the table is split along them, and they are also
+    # the only free axis of the logits' x @ table.T; each slice takes the same rows of every
+    # device's shard (7 slices of 72 rows per shard), so the table is not gathered whole for
+    # the logits, forward or backward
+    cfg = GPTConfig(vocab=4000, n_layer=2, d_model=64, n_head=4, seq_len=8)
+    table = cfg.vocab * cfg.d_model * 4
+    batch = {"tokens": jax.ShapeDtypeStruct((8, 9), np.int32)}
+    peaks, loops = {}, {}
+    for live in (10**9, 40_000):
+        state, step = _gpt_step(cfg, lambda k: init_params(cfg, k), optax.sgd(0.1), 8, max_live_parameters=live)
+        assert state.plan.layouts["wte"].axis == 0
+        peaks[live] = zj.peak_memory(step, state, batch).peak
+        loops[live] = step.lower(state, batch).as_text().count("stablehlo.while")
+    assert loops[10**9] == 0 and loops[40_000] > 0
+    # neither the gathered table nor its gradient is whole: the lookup moves rows (a reduce-scatter)
+    assert peaks[40_000] + 0.9 * table <= peaks[10**9], peaks
+
+    params = init_params(cfg, jax.random.PRNGKey(0))
+    rng = np.random.default_rng(0)
+    data = [{"tokens": rng.integers(0, cfg.vocab, (16, 9)).astype(np.int32)} for _ in range(3)]
+    tx = optax.sgd(0.5)
+    p = params
+    for b in data:
+        p = optax.apply_updates(p, tx.update(jax.grad(loss_fn(cfg))(p, b), tx.init(p), p)[0])
+    state, step = _gpt_step(cfg, params, tx, 16, max_live_parameters=40_000, gradient_accumulation_steps=2)
+    for b in data:
+        state, _ = step(state, b)
+    assert max_rel_err(state.full_params(), p) < 1e-5
+
+
 @pytest.mark.parametrize("bucket,ahead", [(300, ["b"]), (600, ["b", "c"]), (1200, ["b", "c", "e"]), (0, [])])
 def test_prefetch_adds_params_while_fewer_than_the_bucket_are_on_the_way(bucket, ahead, monkeypatch):
     # DeepSpeed's rule: the param after the one in use is fetched even when it alone is larger

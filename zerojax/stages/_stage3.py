@@ -32,8 +32,9 @@ matmul) is gathered on its own, so the compiler drops that gather when nothing r
 A param larger than ``max_live_parameters`` or than 8 prefetch buckets
 (:class:`zerojax.stages._reuse.Slicing`) that meets an activation in a matmul is gathered
 slice by slice inside a loop (forward and backward), and a row lookup in a table
-split along its features moves only the rows (an all-to-all); a tied embedding is then never
-whole on a device, nor is its gradient.
+split along its features moves only the rows (an all-to-all), as does a lookup in such a table
+split along its rows (a reduce-scatter); a tied embedding is then never whole on a device, nor
+is its gradient.
 
 A param used again in the forward pass (a tied embedding, a weight applied twice) also keeps
 its gathered copy when at most ``max_reuse_distance`` elements of other params were used since its
@@ -186,7 +187,7 @@ class _Interpreter:
                 if out is not None:
                     return out
             if prim.name == "gather":
-                out = _sharded_lookup(eqn, invals)
+                out = _sharded_lookup(eqn, invals, self.slicing)
                 if out is not None:
                     return out
             return _use_site(lambda vals: _bind(eqn, vals), invals, anchor)

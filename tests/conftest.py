@@ -146,7 +146,8 @@ SLOW = {
     "tests/stages/test_collectives.py::test_stage3_gathers_per_micro_batch_and_again_for_backward_beyond_the_distance":
         ("11 s and 7 s at load 2.5 (18 s and 12 s on the 3-layer GPT)", "keep"),
     "tests/stages/test_collectives.py::test_stage3_issues_the_prefetched_gathers_as_one_collective": "56 s",
-    "tests/stages/test_collectives.py::test_stage3_matches_plain_optax_for_every_model_kind": ("75 s", "python_loop"),
+    "tests/stages/test_collectives.py::test_stage3_matches_plain_optax_for_every_model_kind":
+        ("scan 8 s, fori_loop 4 s at load 4.6 (11 s and 4.4 s before the plain reference was jitted)", "python_loop"),
     "tests/offload/test_offload_placement.py::test_offloaded_optimizer_equals_plain_optax_for_every_optimizer":
         ("3-5 s a case at load 2-3 (250 s for 8 on a loaded machine)", "adamw"),
     "tests/offload/test_offload_placement.py::test_offloaded_state_in_host_memory_trains_like_on_device":

@@ -159,10 +159,15 @@ def test_stage3_matches_plain_optax_for_every_model_kind(loss):
     data = [{"x": rng.normal(size=(16, 16)).astype(np.float32), "y": rng.normal(size=(16, 3)).astype(np.float32)}
             for _ in range(4)]
     tx = optax.adam(1e-2)
+
+    @jax.jit
+    def plain(p, s, b):  # plain optax on one device
+        u, s = tx.update(jax.grad(loss)(p, b), s, p)
+        return optax.apply_updates(p, u), s
+
     p, s = params, tx.init(params)
     for b in data:
-        u, s = tx.update(jax.grad(loss)(p, b), s, p)
-        p = optax.apply_updates(p, u)
+        p, s = plain(p, s, b)
     state = zj.shard_train_state(params, tx, config=zj.ZeroConfig(stage=3, param_persistence_threshold=0,
                                                                   gradient_accumulation_steps=2))
     step = zj.make_train_step(loss, state)

@@ -438,3 +438,24 @@ def test_native_skipped_step_touches_nothing(updates):
     np.testing.assert_array_equal(np.asarray(nu), np.asarray(v))
     out, mu, nu = step(True, jnp.ones(1000, jnp.float32))
     assert not np.array_equal(np.asarray(mu), np.asarray(m)) and np.isfinite(np.asarray(out)).all()
+
+
+def test_native_moments_mode_writes_the_moments_only_and_its_updates_equal_the_updates_mode():
+    """updates="moments": the kernel writes m' and v' (bit for bit the updates mode's) and no
+    first result; adamw_updates then makes the updates from them as the updates mode does (the
+    same scalars and order; XLA may contract differently: a few ulps), fp32 and bf16 gradients."""
+    rng = np.random.default_rng(11)
+    p, m, g = (jnp.asarray(rng.standard_normal(5000, dtype=np.float32)) for _ in range(3))
+    v = jnp.asarray(rng.random(5000, dtype=np.float32))
+    s = native.adamw_scalars(4, 1e-2, 0.9, 0.999, 1e-8, 0.1)
+    for grads in (g, g.astype(jnp.bfloat16)):
+        first, mu, nu, _ = jax.jit(lambda s, g: native.host_adamw(s, [p], [g], [m], [v], updates="moments"))(s, grads)
+        want_u, want_m, want_v, _ = jax.jit(lambda s, g: native.host_adamw(
+            s, [p], [g.astype(jnp.float32)], [m], [v], updates=True))(s, grads)
+        assert first is None
+        np.testing.assert_array_equal(np.asarray(mu[0]), np.asarray(want_m[0]))
+        np.testing.assert_array_equal(np.asarray(nu[0]), np.asarray(want_v[0]))
+        u = jax.jit(native.adamw_updates)(s, p, mu[0], nu[0])
+        np.testing.assert_allclose(np.asarray(u), np.asarray(want_u[0]), rtol=1e-6, atol=1e-9)
+    with pytest.raises(ConfigError, match="updates='sideways'"):
+        native.host_adamw(s, [p], [g], [m], [v], updates="sideways")

@@ -2,7 +2,8 @@
 //
 // Operands: scalars (f32[10]), then for each of `leaves` leaves: p, g, m, v, and o16 when
 // `out16` is set.  Results per leaf: first (p' in place, or the optax updates u aliased to g),
-// m', v', and o16' when `out16` is set.  The Python side (zerojax/kernels/native.py) aliases
+// m', v', and o16' when `out16` is set; in moments mode (`updates` = 2) only m' and v' (the
+// caller computes u from them, where XLA can fuse it with what reads u).  The Python side (zerojax/kernels/native.py) aliases
 // every result to the operand it replaces, so the pass reads p, g, m, v once and writes each
 // result over the memory it came from.
 //
@@ -11,6 +12,7 @@
 //          root_hat = eps_root * bc2, apply (0: a skipped step, nothing is touched)
 //   m' = b1 m + c1 g;  v' = b2 v + c2 g^2;  d = step m' / (sqrt(v' + root_hat) + eps_hat)
 //   params mode:  p' = decay p - d        updates mode:  u = -d - lr_wd p
+//   moments mode: m' and v' only (p is not read)
 // g is f32 or bf16 (u16 bits); o16 receives p' rounded to nearest even as bf16 bits.
 
 #include <algorithm>
@@ -57,7 +59,9 @@ inline uint16_t f32_to_bf16(float x) {
   return static_cast<uint16_t>(x != x ? nan : rounded);
 }
 
-template <bool kBf16Grads, bool kUpdates, bool kOut16>
+enum Mode { kParams = 0, kUpdates = 1, kMoments = 2 };
+
+template <bool kBf16Grads, int kMode, bool kOut16>
 void Run(const Leaf& L, int64_t lo, int64_t hi, const Coefs& c) {
   // Each result may be its operand's memory (p or g and out, in_m and m, in_v and v), read
   // at i before i is written: no __restrict; ivdep tells the vectoriser it is safe.
@@ -75,13 +79,14 @@ void Run(const Leaf& L, int64_t lo, int64_t hi, const Coefs& c) {
 #pragma GCC ivdep
   for (int64_t i = lo; i < hi; ++i) {
     const float g = kBf16Grads ? bf16_to_f32(gh[i]) : gf[i];
-    const float pi = p[i];
     const float mi = b1 * in_m[i] + c1 * g;
     const float vi = b2 * in_v[i] + c2 * (g * g);
-    const float d = step * mi / (std::sqrt(vi + root) + eps);
     m[i] = mi;
     v[i] = vi;
-    const float r = kUpdates ? -d - lr_wd * pi : decay * pi - d;
+    if (kMode == kMoments) continue;
+    const float pi = p[i];
+    const float d = step * mi / (std::sqrt(vi + root) + eps);
+    const float r = kMode == kUpdates ? -d - lr_wd * pi : decay * pi - d;
     out[i] = r;
     if (kOut16) o16[i] = f32_to_bf16(r);
   }
@@ -89,11 +94,12 @@ void Run(const Leaf& L, int64_t lo, int64_t hi, const Coefs& c) {
 
 using RunFn = void (*)(const Leaf&, int64_t, int64_t, const Coefs&);
 
-RunFn Pick(bool bf16_grads, bool updates, bool out16) {
+RunFn Pick(bool bf16_grads, int64_t mode, bool out16) {
+  if (mode == kMoments) return bf16_grads ? Run<true, kMoments, false> : Run<false, kMoments, false>;
   static const RunFn table[8] = {
-      Run<false, false, false>, Run<false, false, true>, Run<false, true, false>, Run<false, true, true>,
-      Run<true, false, false>,  Run<true, false, true>,  Run<true, true, false>,  Run<true, true, true>};
-  return table[(bf16_grads ? 4 : 0) + (updates ? 2 : 0) + (out16 ? 1 : 0)];
+      Run<false, kParams, false>, Run<false, kParams, true>, Run<false, kUpdates, false>, Run<false, kUpdates, true>,
+      Run<true, kParams, false>,  Run<true, kParams, true>,  Run<true, kUpdates, false>,  Run<true, kUpdates, true>};
+  return table[(bf16_grads ? 4 : 0) + (mode == kUpdates ? 2 : 0) + (out16 ? 1 : 0)];
 }
 
 // Elements [lo, hi) of the leaves laid end to end.
@@ -110,7 +116,11 @@ void RunRange(const std::vector<Leaf>& leaves, const std::vector<RunFn>& fns, in
 
 ffi::Error AdamWImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t leaves, int64_t updates,
                      int64_t out16, int64_t threads) {
-  const int64_t per_arg = out16 ? 5 : 4, per_ret = out16 ? 4 : 3;
+  if (updates < kParams || updates > kMoments || (out16 && updates != kParams)) {
+    return ffi::Error::InvalidArgument("zerojax_host_adamw: `updates` is 0, 1 or 2; out16 only with 0");
+  }
+  const bool moments = updates == kMoments;
+  const int64_t per_arg = out16 ? 5 : 4, per_ret = out16 ? 4 : (moments ? 2 : 3);
   if (static_cast<int64_t>(args.size()) != 1 + per_arg * leaves ||
       static_cast<int64_t>(rets.size()) != per_ret * leaves) {
     return ffi::Error::InvalidArgument("zerojax_host_adamw: operand/result count does not match `leaves`");
@@ -130,9 +140,11 @@ ffi::Error AdamWImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t l
   for (int64_t k = 0; k < leaves; ++k) {
     auto p = args.get<ffi::AnyBuffer>(1 + per_arg * k);
     auto g = args.get<ffi::AnyBuffer>(2 + per_arg * k);
-    auto out = rets.get<ffi::AnyBuffer>(per_ret * k);
-    auto m = rets.get<ffi::AnyBuffer>(per_ret * k + 1);
-    auto v = rets.get<ffi::AnyBuffer>(per_ret * k + 2);
+    // moments mode has no first result: `out` is then m's (never written as such)
+    const int64_t first = moments ? -1 : 0;
+    auto out = rets.get<ffi::AnyBuffer>(per_ret * k + std::max<int64_t>(first, 0));
+    auto m = rets.get<ffi::AnyBuffer>(per_ret * k + 1 + first);
+    auto v = rets.get<ffi::AnyBuffer>(per_ret * k + 2 + first);
     if (!p.has_value() || !g.has_value() || !out.has_value() || !m.has_value() || !v.has_value()) {
       return ffi::Error::InvalidArgument("zerojax_host_adamw: missing buffer");
     }
@@ -169,11 +181,11 @@ ffi::Error AdamWImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t l
     }
     L.in_m = static_cast<const float*>(mi->untyped_data());
     L.in_v = static_cast<const float*>(vi->untyped_data());
-    fns[k] = Pick(gt != ffi::F32, updates != 0, out16 != 0);
+    fns[k] = Pick(gt != ffi::F32, updates, out16 != 0);
     total += n;
   }
   if (!apply) {
-    if (updates) {  // the updates of a skipped step are zeros (they are written over g)
+    if (updates == kUpdates) {  // the updates of a skipped step are zeros (they are written over g)
       for (const Leaf& L : ls) std::memset(L.out, 0, sizeof(float) * L.n);
     }
     return ffi::Error::Success();

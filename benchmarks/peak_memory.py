@@ -11,7 +11,9 @@ to its backward use, as under DeepSpeed, so its peak holds the whole gathered mo
 the lean run: stage 3 <= 0.20x stage 0, and stage 3's peak <= its model states (params, gradients, optimizer state: 1/N each, from the ZeRO formula, not
 from the program measured) + 3 blocks' gathered params + the activations. The stage-3 runs use DeepSpeed's "auto" prefetch bucket (0.9 * d^2
 elements), so the tied embedding (73 buckets) is gathered and reduced in slices, never whole;
-a block's matrices (3-5 buckets) are gathered whole.
+a block's matrices (3-5 buckets) are gathered whole. "3 sliced" is the lean run with
+``max_live_parameters`` of one bucket, under which every matmul param above it (the block
+matrices too) is gathered slice by slice: whole against sliced gathers, side by side.
 
     python benchmarks/peak_memory.py [--layers 12] [--seq 128] [--optimizer sgd]
     python benchmarks/peak_memory.py --layers 2 --d 96 --vocab 1000 --seq 16 --no-scan   # tiny
@@ -50,19 +52,21 @@ def main():
         batch = {"tokens": jax.ShapeDtypeStruct((n, cfg.seq_len + 1), np.int32)}
         print(f"GPT {cfg.n_params / 1e6:.1f}M params, {'lax.scan' if scan else 'Python loop'}, {args.optimizer}, {args.precision}, "
               f"{n} devices, {args.seq} tokens per device")
-        print(f"{'stage':>6} {'peak MiB':>9} {'vs stage 0':>10} {'stored MiB':>11} {'temporaries MiB':>16}")
+        print(f"{'stage':>8} {'peak MiB':>9} {'vs stage 0':>10} {'stored MiB':>11} {'temporaries MiB':>16}")
         peaks = {}
-        for stage in (0, 1, 2, 3, "3 lean"):
-            # DeepSpeed's "auto" prefetch bucket: 0.9 * hidden^2 elements
-            lean = {"max_reuse_distance": 0} if stage == "3 lean" else {}
+        bucket = int(0.9 * args.d**2)  # DeepSpeed's "auto" prefetch bucket: 0.9 * hidden^2 elements
+        for stage in (0, 1, 2, 3, "3 lean", "3 sliced"):
+            lean = {"max_reuse_distance": 0} if str(stage).startswith("3 ") else {}
+            if stage == "3 sliced":  # max_live_parameters of one bucket: block matrices sliced too
+                lean["max_live_parameters"] = bucket
             config = zj.ZeroConfig(stage=3 if lean else stage, precision=args.precision,
-                                   prefetch_bucket_size=int(0.9 * args.d**2), **lean)
+                                   prefetch_bucket_size=bucket, **lean)
             state = zj.abstract_train_state(lambda k: init_params(cfg, k), tx, mesh=mesh, config=config)
             step = zj.make_train_step(loss_fn(cfg), state)
             peak = zj.peak_memory(step, state, batch)
             peaks[stage] = peak
             stored = zj.estimate(jax.eval_shape(lambda k: init_params(cfg, k), jax.random.PRNGKey(0)), mesh, config, tx=tx)
-            print(f"{str(stage):>6} {peak.peak / mib:>9.1f} {peak.peak / peaks[0].peak:>9.3f}x "
+            print(f"{str(stage):>8} {peak.peak / mib:>9.1f} {peak.peak / peaks[0].peak:>9.3f}x "
                   f"{stored.max_bytes('device') / mib:>11.1f} {peak.temp / mib:>16.1f}", flush=True)
         d = args.d
         width = 4 if args.precision == "fp32" else 2
@@ -81,7 +85,8 @@ def main():
               f"{acts / mib:.1f} = {bound / mib:.1f} MiB -> "
               f"{'within' if lean.peak <= bound else 'ABOVE'} the bound ({lean.peak / bound:.2f}x)")
         print(f"goal: stage 3 lean <= 0.20x stage 0 -> {lean.peak / peaks[0].peak:.3f}x; at the default "
-              f"distance {peaks[3].peak / peaks[0].peak:.3f}x\n")
+              f"distance {peaks[3].peak / peaks[0].peak:.3f}x; block matrices sliced too (max_live_parameters "
+              f"{bucket:,}) {peaks['3 sliced'].peak / peaks[0].peak:.3f}x\n")
 
 
 if __name__ == "__main__":

@@ -47,10 +47,23 @@ def column(history, key):
     return [m[key] for m in history]
 
 
+@pytest.fixture(scope="module")
+def plain_reference(params, data):
+    """Plain optax's (final params, losses) per optimizer, computed once for the four stages."""
+    cache = {}
+
+    def get(opt):
+        if opt not in cache:
+            cache[opt] = reference_train(params, OPTIMIZERS[opt](), data)
+        return cache[opt]
+
+    return get
+
+
 @pytest.mark.parametrize("opt", sorted(OPTIMIZERS))
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_matches_plain_optax_fp32(stage, opt, params, data):
-    want, want_losses = reference_train(params, OPTIMIZERS[opt](), data)
+def test_matches_plain_optax_fp32(stage, opt, params, data, plain_reference):
+    want, want_losses = plain_reference(opt)
     state, history = run_zero(params, OPTIMIZERS[opt](), data, stage=stage)
     assert max_rel_err(state.full_params(), want) < 1e-6
     np.testing.assert_allclose(column(history, "loss"), want_losses, rtol=1e-6)

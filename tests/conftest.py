@@ -17,12 +17,19 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Most of the suite's cost is XLA's CPU compiler, and much of that is LLVM optimising code that
 # runs for milliseconds. Tests compile without those optimisations (the quick tier on one worker:
 # 208 s -> 163 s; every reference a test compares against is compiled the same way, and results
-# stay bitwise equal where a test asks for it). --xla_cpu_use_fusion_emitters=false would save
-# more (125 s) but changes fused numerics between two programs that are otherwise equal (hpZ
-# against stage 3 on a scanned GPT), so it is not used. Test runs only: benchmarks and users keep
-# XLA's defaults. ZEROJAX_TEST_FAST_COMPILE=0 turns it off.
-if os.environ.get("ZEROJAX_TEST_FAST_COMPILE", "1") != "0" and "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
-    os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
+# stay bitwise equal where a test asks for it). XLA's older CPU loop emitters
+# (--xla_cpu_use_fusion_emitters=false) compile about twice as fast again (test_step and
+# test_sequence_parallel's quick tier: 54 -> 22 s of compiling, 46 -> 30 s wall; the full run on
+# two workers about 19 minutes on a machine shared with another job, against 28 on CI before);
+# two programs that compute the same thing may then round differently where they are fused
+# differently, so parity tests between two zerojax programs hold roundings as roundings (SGD
+# where Adam would amplify a near-zero gradient's last bit). Test runs only: benchmarks and
+# users keep XLA's defaults. ZEROJAX_TEST_FAST_COMPILE=0 turns both off.
+if os.environ.get("ZEROJAX_TEST_FAST_COMPILE", "1") != "0":
+    if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
+        os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
+    if "xla_cpu_use_fusion_emitters" not in os.environ["XLA_FLAGS"]:
+        os.environ["XLA_FLAGS"] += " --xla_cpu_use_fusion_emitters=false"
 
 _OWN_CACHE = None
 if os.environ.get("ZEROJAX_TEST_JIT_CACHE", "1") != "0" and "JAX_COMPILATION_CACHE_DIR" not in os.environ:

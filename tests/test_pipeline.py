@@ -103,7 +103,9 @@ def test_gpt_pipeline_equals_plain_optax(shape, stage, micro):
     state, hist = run(pipe, tx, data, shape, stage=stage, gradient_accumulation_steps=micro)
     np.testing.assert_allclose([h["loss"] for h in hist], losses, atol=1e-5, rtol=0)
     np.testing.assert_allclose([h["grad_norm"] for h in hist], norms, rtol=1e-5)
-    assert_close_params(state, ref)
+    # AdamW moves each param up to 1e-3 a step; 3e-5 is 3% of one step (a near-zero gradient's
+    # rounding, which the pipeline's reduction order changes, becomes up to 1.2e-5 through Adam)
+    assert_close_params(state, ref, tol=3e-5)
     p = shape[0]
     assert all(abs(h["pipeline_idle"] - theory_idle_fraction(p, micro)) < 1e-6 for h in hist)
     # each device holds only its stage's L / P layers, of the params and of the optimizer state

@@ -31,6 +31,14 @@ if os.environ.get("ZEROJAX_TEST_FAST_COMPILE", "1") != "0":
     if "xla_cpu_use_fusion_emitters" not in os.environ["XLA_FLAGS"]:
         os.environ["XLA_FLAGS"] += " --xla_cpu_use_fusion_emitters=false"
 
+# Eight simulated devices share two cores with the other worker: under that load a thread can
+# reach a collective's rendezvous late enough for XLA's CPU runtime to abort the process (its
+# termination timeout), which took a worker down mid-run once (the sequence-parallel remat test).
+# Tests give the runtime five minutes; a real deadlock still ends the process.
+for _flag in ("xla_cpu_collective_call_terminate_timeout_seconds", "xla_cpu_collective_timeout_seconds"):
+    if _flag not in os.environ["XLA_FLAGS"]:
+        os.environ["XLA_FLAGS"] += f" --{_flag}=300"
+
 _OWN_CACHE = None
 if os.environ.get("ZEROJAX_TEST_JIT_CACHE", "1") != "0" and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _OWN_CACHE = tempfile.mkdtemp(prefix="zerojax-test-jit-cache-")

@@ -46,6 +46,8 @@ from zerojax.models.gpt import GPTConfig, init_params, loss_fn  # noqa: E402
 SHAPES = {
     "vocab50257-d128": dict(vocab=50257, n_layer=4, d_model=128, n_head=4),
     "vocab8192-d256": dict(vocab=8192, n_layer=4, d_model=256, n_head=4),
+    # Llama's 32000 with one added token (a pad), as fine-tuning configs often have: odd, like GPT-2's
+    "vocab32001-d160": dict(vocab=32001, n_layer=4, d_model=160, n_head=4),
     "gpt2-small": dict(vocab=50257, n_layer=12, d_model=768, n_head=12),
     "smoke": dict(vocab=517, n_layer=1, d_model=32, n_head=2),
 }

@@ -21,7 +21,7 @@ def test_gpu_check_smoke_runs_every_section():
 def test_vs_plain_jax_smoke_prints_every_ratio_in_pairs():
     out = run("vs_plain_jax.py", "--smoke", "--pairs")
     assert "each ratio from its own pair" in out
-    for figure in ("s0/ddp", "s1/ddp", "s2/ddp", "s3/fsdp", "s3/s0", "s3p0/fsdp", "s3p0/s0", "s3auto/fsdp", "s0/jit"):
+    for figure in ("s0/ddp", "s1/ddp", "s2/ddp", "s3/fsdp", "s3/s0", "s3p0/fsdp", "s3p0/s0", "s3auto/fsdp", "s3lean/fsdp", "s0/jit"):
         assert f"{figure} " in out, f"{figure!r} missing from:\n{out}"
     for optimizer in ("adamw", "lion", "sgd-momentum"):
         assert f"fp32 params, {optimizer}" in out, f"optimizer-bound {optimizer} missing from:\n{out}"

@@ -193,18 +193,19 @@ def build(name, mesh, init, loss, d_model):
     if name in ("ddp", "fsdp"):
         return Plain(name, mesh, init, loss)
     settings = {}
+    # a config's "auto" values, filled in by zerojax's own reading of them, as zj.initialize does
+    auto = zj.ZeroConfig.from_deepspeed(
+        {"train_micro_batch_size_per_gpu": 1,
+         "zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": "auto",
+                               "stage3_param_persistence_threshold": "auto"}},
+        world_size=mesh.shape["data"], hidden_size=d_model)
     if name == "s3p0":
         settings = {"param_persistence_threshold": 0}
-    elif name == "s3auto":  # filled in by zerojax's own reading of "auto", as zj.initialize does
-        auto = zj.ZeroConfig.from_deepspeed(
-            {"train_micro_batch_size_per_gpu": 1,
-             "zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": "auto",
-                                   "stage3_param_persistence_threshold": "auto"}},
-            world_size=mesh.shape["data"], hidden_size=d_model)
+    elif name == "s3auto":
         settings = {"prefetch_bucket_size": auto.prefetch_bucket_size,
                     "param_persistence_threshold": auto.param_persistence_threshold}
     elif name == "s3lean":
-        settings = {"max_reuse_distance": 0, "prefetch_bucket_size": int(0.9 * d_model**2)}
+        settings = {"max_reuse_distance": 0, "prefetch_bucket_size": auto.prefetch_bucket_size}
     return Zero(int(name[1]), mesh, init, loss, **settings)
 
 

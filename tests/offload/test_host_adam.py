@@ -416,11 +416,11 @@ def test_without_a_compiler_the_kernel_is_refused_with_a_warning_and_xla_runs(mo
         assert native.available()
 
 
-@pytest.mark.parametrize("updates", [False, True])
-def test_native_skipped_step_touches_nothing(updates):
+@pytest.mark.parametrize("moments", [False, True])
+def test_native_skipped_step_touches_nothing(moments):
     """apply=False (an overflowed fp16 step): params and moments stay bit for bit, the non-finite
-    gradients are not read, the updates (written over the gradients) are zeros; apply=True with
-    the same call moves them."""
+    gradients are not read, and in moments mode the updates made from them are zeros; apply=True
+    with the same call moves them."""
     rng = np.random.default_rng(7)
     p, m = (jnp.asarray(rng.standard_normal(1000, dtype=np.float32)) for _ in range(2))
     v = jnp.asarray(rng.random(1000, dtype=np.float32))
@@ -429,33 +429,35 @@ def test_native_skipped_step_touches_nothing(updates):
     @jax.jit
     def step(apply, g):
         s = native.adamw_scalars(3, 1e-2, 0.9, 0.999, 1e-8, 0.1, apply=apply)
-        out, mu, nu, _ = native.host_adamw(s, [p], [g], [m], [v], updates=updates)
+        out, mu, nu, _ = native.host_adamw(s, [p], [g], [m], [v], moments=moments)
+        if moments:
+            out = [native.adamw_updates(s, p, mu[0], nu[0])]
         return out[0], mu[0], nu[0]
 
     out, mu, nu = step(False, g)
-    np.testing.assert_array_equal(np.asarray(out), np.zeros(1000) if updates else np.asarray(p))
+    np.testing.assert_array_equal(np.asarray(out), np.zeros(1000) if moments else np.asarray(p))
     np.testing.assert_array_equal(np.asarray(mu), np.asarray(m))
     np.testing.assert_array_equal(np.asarray(nu), np.asarray(v))
     out, mu, nu = step(True, jnp.ones(1000, jnp.float32))
     assert not np.array_equal(np.asarray(mu), np.asarray(m)) and np.isfinite(np.asarray(out)).all()
 
 
-def test_native_moments_mode_writes_the_moments_only_and_its_updates_equal_the_updates_mode():
-    """updates="moments": the kernel writes m' and v' (bit for bit the updates mode's) and no
-    first result; adamw_updates then makes the updates from them as the updates mode does (the
-    same scalars and order; XLA may contract differently: a few ulps), fp32 and bf16 gradients."""
+def test_native_moments_mode_writes_the_moments_only_and_its_updates_apply_to_the_params_mode():
+    """moments=True: the kernel writes m' and v' (bit for bit the params mode's) and no params;
+    adamw_updates then makes optax's updates from them with the same scalars, and params + updates
+    is the params mode's p' to a few ulps (the kernel writes decay p - d, the apply p + (-d - lr_wd p)),
+    fp32 and bf16 gradients."""
     rng = np.random.default_rng(11)
     p, m, g = (jnp.asarray(rng.standard_normal(5000, dtype=np.float32)) for _ in range(3))
     v = jnp.asarray(rng.random(5000, dtype=np.float32))
     s = native.adamw_scalars(4, 1e-2, 0.9, 0.999, 1e-8, 0.1)
     for grads in (g, g.astype(jnp.bfloat16)):
-        first, mu, nu, _ = jax.jit(lambda s, g: native.host_adamw(s, [p], [g], [m], [v], updates="moments"))(s, grads)
-        want_u, want_m, want_v, _ = jax.jit(lambda s, g: native.host_adamw(
-            s, [p], [g.astype(jnp.float32)], [m], [v], updates=True))(s, grads)
+        first, mu, nu, _ = jax.jit(lambda s, g: native.host_adamw(s, [p], [g], [m], [v], moments=True))(s, grads)
+        want_p, want_m, want_v, _ = jax.jit(lambda s, g: native.host_adamw(s, [p], [g], [m], [v]))(s, grads)
         assert first is None
         np.testing.assert_array_equal(np.asarray(mu[0]), np.asarray(want_m[0]))
         np.testing.assert_array_equal(np.asarray(nu[0]), np.asarray(want_v[0]))
-        u = jax.jit(native.adamw_updates)(s, p, mu[0], nu[0])
-        np.testing.assert_allclose(np.asarray(u), np.asarray(want_u[0]), rtol=1e-6, atol=1e-9)
-    with pytest.raises(ConfigError, match="updates='sideways'"):
-        native.host_adamw(s, [p], [g], [m], [v], updates="sideways")
+        new_p = jax.jit(lambda s, p, m, v: p + native.adamw_updates(s, p, m, v))(s, p, mu[0], nu[0])
+        np.testing.assert_allclose(np.asarray(new_p), np.asarray(want_p[0]), rtol=1e-6, atol=1e-9)
+    with pytest.raises(ConfigError, match="out16 is for params mode"):
+        native.host_adamw(s, [p], [g], [m], [v], [p.astype(jnp.bfloat16)], moments=True)

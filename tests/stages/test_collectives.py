@@ -269,6 +269,15 @@ def _gpt_step(cfg, params_or_init, tx, batch_size, **config):
     return state, zj.make_train_step(loss_fn(cfg), state)
 
 
+def _plain_sgd(cfg, tx, params, data):
+    """Plain (stateless) SGD on one device over ``data``: one compiled step (run op by op it
+    compiled some 200 small programs)."""
+    step = jax.jit(lambda p, b: optax.apply_updates(p, tx.update(jax.grad(loss_fn(cfg))(p, b), tx.init(p), p)[0]))
+    for b in data:
+        params = step(params, b)
+    return params
+
+
 @pytest.mark.parametrize("scan", [False, True], ids=["python_loop", "scan"])
 def test_tied_table_larger_than_a_fetch_is_never_whole_and_matches_plain_sgd(scan):
     # 4001 x 64 tied embedding; max_live_parameters=20000 slices it into 13 pieces of 308 rows
@@ -290,11 +299,7 @@ def test_tied_table_larger_than_a_fetch_is_never_whole_and_matches_plain_sgd(sca
     rng = np.random.default_rng(0)
     data = [{"tokens": rng.integers(0, cfg.vocab, (16, 9)).astype(np.int32)} for _ in range(3)]
     tx = optax.sgd(0.5)
-    # plain SGD on one device, one compiled program (run op by op it compiled some 200 small ones)
-    plain = jax.jit(lambda p, b: optax.apply_updates(p, tx.update(jax.grad(loss_fn(cfg))(p, b), tx.init(p), p)[0]))
-    p = params
-    for b in data:
-        p = plain(p, b)
+    p = _plain_sgd(cfg, tx, params, data)
     state, step = _gpt_step(cfg, params, tx, 16, max_live_parameters=20_000, gradient_accumulation_steps=2)
     for b in data:
         state, _ = step(state, b)
@@ -323,10 +328,7 @@ def test_tied_table_split_along_its_rows_is_sliced_too_and_matches_plain_sgd():
     rng = np.random.default_rng(0)
     data = [{"tokens": rng.integers(0, cfg.vocab, (16, 9)).astype(np.int32)} for _ in range(3)]
     tx = optax.sgd(0.5)
-    ref_step = jax.jit(lambda p, b: optax.apply_updates(p, tx.update(jax.grad(loss_fn(cfg))(p, b), tx.init(p), p)[0]))
-    p = params
-    for b in data:
-        p = ref_step(p, b)
+    p = _plain_sgd(cfg, tx, params, data)
     state, step = _gpt_step(cfg, params, tx, 16, max_live_parameters=40_000, gradient_accumulation_steps=2)
     for b in data:
         state, _ = step(state, b)

@@ -161,65 +161,55 @@ def adamw_scalars(count, lr, b1, b2, eps, wd, grad_scale=1.0, eps_root=0.0, appl
                       1 - lr * wd, lr * wd, er * bc2, jnp.asarray(apply, f)]).astype(f)
 
 
-def host_adamw(scalars, params, grads, mu, nu, out16=None, *, updates, threads: int | None = None):
+def host_adamw(scalars, params, grads, mu, nu, out16=None, *, moments: bool = False, threads: int | None = None):
     """One AdamW step over lists of leaves with the native kernel (call where jax traces CPU code).
 
-    ``updates=False``: returns ``(new_params, mu, nu, out16)``, the params written over
-    ``params``; ``updates=True``: returns ``(updates, mu, nu, None)`` in optax's sign
-    convention (``new params = params + updates``), written over ``grads``;
-    ``updates="moments"``: returns ``(None, mu, nu, None)``, the kernel writing the moments only
-    (:func:`adamw_updates` then makes the updates from them where XLA can fuse that with the
-    apply). Each result is aliased to the operand it replaces, so a donated operand is updated
-    in place (XLA copies one that is not donated). Leaves: fp32 params and moments, fp32 or
-    bfloat16 grads of the same size each; ``out16`` (params mode only): bfloat16 leaves
-    receiving the new params.
+    Returns ``(new_params, mu, nu, out16)``, the params written over ``params``; with
+    ``moments=True``, ``(None, mu, nu, None)``: the kernel writes the moments only and
+    :func:`adamw_updates` makes optax's updates from them, where XLA can fuse that with the
+    apply (``params + updates``). Each result is aliased to the operand it replaces, so a
+    donated operand is updated in place (XLA copies one that is not donated). Leaves: fp32
+    params and moments, fp32 or bfloat16 grads of the same size each; ``out16`` (params mode
+    only): bfloat16 leaves receiving the new params.
     """
     why = _load()
     if why is not None:
         raise ConfigError(f"host_adamw: the native kernel is unavailable ({why}); check native.available() first")
-    if updates not in (False, True, "moments"):
-        raise ConfigError(f"host_adamw: updates={updates!r}; expected False, True or 'moments'")
-    mode = {False: 0, True: 1, "moments": 2}[updates]
     n = len(params)
     with16 = out16 is not None
-    if with16 and mode:
-        raise ConfigError("host_adamw: out16 is for params mode (updates=False)")
+    if with16 and moments:
+        raise ConfigError("host_adamw: out16 is for params mode (moments=False)")
     operands, results, aliases = [scalars], [], {}
     per_arg = 5 if with16 else 4
-    first = mode != 2  # a first result (p' or u) before the moments
-    per_ret = (4 if with16 else 3) - (not first)
+    first = not moments  # the new params before the moments
+    per_ret = (4 if with16 else 3) - moments
     for k in range(n):
         leaf = [params[k], grads[k], mu[k], nu[k]] + ([out16[k]] if with16 else [])
         base = 1 + per_arg * k
         operands += leaf
-        outs = ([params[k] if mode == 0 else grads[k]] if first else []) + [mu[k], nu[k]] + (
-            [out16[k]] if with16 else [])
-        results += [jax.ShapeDtypeStruct(x.shape, x.dtype if i or not first else jnp.float32)
-                    for i, x in enumerate(outs)]
+        outs = ([params[k]] if first else []) + [mu[k], nu[k]] + ([out16[k]] if with16 else [])
+        results += [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in outs]
         if first:
-            aliases[base + mode] = per_ret * k
+            aliases[base] = per_ret * k
         aliases[base + 2] = per_ret * k + first
         aliases[base + 3] = per_ret * k + first + 1
         if with16:
             aliases[base + 4] = per_ret * k + 3
-    if mode == 1:  # u is written over g: g must be fp32 there
-        bad = [k for k in range(n) if grads[k].dtype != jnp.float32]
-        if bad:
-            raise ConfigError(f"host_adamw: updates mode needs fp32 grads (leaves {bad} are not)")
     call = jax.ffi.ffi_call(TARGET, results, input_output_aliases=aliases, vmap_method="sequential")
-    out = call(*operands, leaves=np.int64(n), updates=np.int64(mode), out16=np.int64(with16),
+    out = call(*operands, leaves=np.int64(n), moments=np.int64(moments), out16=np.int64(with16),
                threads=np.int64(threads or default_threads()))
-    first_out = [out[per_ret * k] for k in range(n)] if first else None
+    new_params = [out[per_ret * k] for k in range(n)] if first else None
     mu_new = [out[per_ret * k + first] for k in range(n)]
     nu_new = [out[per_ret * k + first + 1] for k in range(n)]
     o16 = [out[per_ret * k + 3] for k in range(n)] if with16 else None
-    return first_out, mu_new, nu_new, o16
+    return new_params, mu_new, nu_new, o16
 
 
 def adamw_updates(scalars, param, mu, nu):
-    """optax's AdamW updates from the new moments, as the kernel's updates mode computes them
-    (same scalars, same order): ``-step m / (sqrt(v + root_hat) + eps_hat) - lr_wd p``. Traced as
-    XLA ops, so a consumer of the updates (``optax.apply_updates``) fuses with it into one pass."""
-    step, eps, lr_wd, root = scalars[5], scalars[4], scalars[7], scalars[8]
+    """optax's AdamW updates from the moments the kernel wrote (``moments=True``), with the
+    kernel's scalars: ``-step m / (sqrt(v + root_hat) + eps_hat) - lr_wd p``, zeros for a
+    skipped step (``apply`` 0). Traced as XLA ops, so a consumer of the updates
+    (``optax.apply_updates``) fuses with it into one pass."""
+    step, eps, lr_wd, root, apply = scalars[5], scalars[4], scalars[7], scalars[8], scalars[9]
     d = step * mu / (jnp.sqrt(nu + root) + eps)
-    return -d - lr_wd * param
+    return jnp.where(apply != 0, -d - lr_wd * param, 0.0)

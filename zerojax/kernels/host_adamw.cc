@@ -1,18 +1,17 @@
 // AdamW over host buffers in one pass, split across threads: an XLA FFI handler for the CPU.
 //
 // Operands: scalars (f32[10]), then for each of `leaves` leaves: p, g, m, v, and o16 when
-// `out16` is set.  Results per leaf: first (p' in place, or the optax updates u aliased to g),
-// m', v', and o16' when `out16` is set; in moments mode (`updates` = 2) only m' and v' (the
-// caller computes u from them, where XLA can fuse it with what reads u).  The Python side (zerojax/kernels/native.py) aliases
-// every result to the operand it replaces, so the pass reads p, g, m, v once and writes each
-// result over the memory it came from.
+// `out16` is set.  Results per leaf: p' (in place), m', v', and o16' when `out16` is set; in
+// moments mode (`moments` = 1) only m' and v' (the caller computes the optax updates from them,
+// where XLA can fuse that with what reads them).  The Python side (zerojax/kernels/_native.py)
+// aliases every result to the operand it replaces, so the pass reads p, g, m, v once and writes
+// each result over the memory it came from.
 //
 // scalars: b1, c1 = (1 - b1) * s, b2, c2 = (1 - b2) * s^2, eps_hat = eps * sqrt(bc2),
 //          step = lr * sqrt(bc2) / bc1, decay = 1 - lr * wd, lr_wd = lr * wd,
 //          root_hat = eps_root * bc2, apply (0: a skipped step, nothing is touched)
 //   m' = b1 m + c1 g;  v' = b2 v + c2 g^2;  d = step m' / (sqrt(v' + root_hat) + eps_hat)
-//   params mode:  p' = decay p - d        updates mode:  u = -d - lr_wd p
-//   moments mode: m' and v' only (p is not read)
+//   params mode:  p' = decay p - d        moments mode: m' and v' only (p is not read)
 // g is f32 or bf16 (u16 bits); o16 receives p' rounded to nearest even as bf16 bits.
 
 #include <algorithm>
@@ -33,7 +32,7 @@ struct Leaf {
   const void* g;
   const float* in_m;
   const float* in_v;
-  float* out;      // p' or u
+  float* out;      // p' (m's memory in moments mode, never written)
   float* m;
   float* v;
   uint16_t* o16;
@@ -59,11 +58,9 @@ inline uint16_t f32_to_bf16(float x) {
   return static_cast<uint16_t>(x != x ? nan : rounded);
 }
 
-enum Mode { kParams = 0, kUpdates = 1, kMoments = 2 };
-
-template <bool kBf16Grads, int kMode, bool kOut16>
+template <bool kBf16Grads, bool kMoments, bool kOut16>
 void Run(const Leaf& L, int64_t lo, int64_t hi, const Coefs& c) {
-  // Each result may be its operand's memory (p or g and out, in_m and m, in_v and v), read
+  // Each result may be its operand's memory (p and out, in_m and m, in_v and v), read
   // at i before i is written: no __restrict; ivdep tells the vectoriser it is safe.
   const float* p = L.in_p;
   const float* gf = static_cast<const float*>(L.g);
@@ -75,7 +72,7 @@ void Run(const Leaf& L, int64_t lo, int64_t hi, const Coefs& c) {
   float* v = L.v;
   uint16_t* __restrict o16 = L.o16;
   const float b1 = c.b1, c1 = c.c1, b2 = c.b2, c2 = c.c2, eps = c.eps_hat, step = c.step,
-              decay = c.decay, lr_wd = c.lr_wd, root = c.root_hat;
+              decay = c.decay, root = c.root_hat;
 #pragma GCC ivdep
   for (int64_t i = lo; i < hi; ++i) {
     const float g = kBf16Grads ? bf16_to_f32(gh[i]) : gf[i];
@@ -83,10 +80,9 @@ void Run(const Leaf& L, int64_t lo, int64_t hi, const Coefs& c) {
     const float vi = b2 * in_v[i] + c2 * (g * g);
     m[i] = mi;
     v[i] = vi;
-    if (kMode == kMoments) continue;
-    const float pi = p[i];
+    if (kMoments) continue;
     const float d = step * mi / (std::sqrt(vi + root) + eps);
-    const float r = kMode == kUpdates ? -d - lr_wd * pi : decay * pi - d;
+    const float r = decay * p[i] - d;
     out[i] = r;
     if (kOut16) o16[i] = f32_to_bf16(r);
   }
@@ -94,12 +90,10 @@ void Run(const Leaf& L, int64_t lo, int64_t hi, const Coefs& c) {
 
 using RunFn = void (*)(const Leaf&, int64_t, int64_t, const Coefs&);
 
-RunFn Pick(bool bf16_grads, int64_t mode, bool out16) {
-  if (mode == kMoments) return bf16_grads ? Run<true, kMoments, false> : Run<false, kMoments, false>;
-  static const RunFn table[8] = {
-      Run<false, kParams, false>, Run<false, kParams, true>, Run<false, kUpdates, false>, Run<false, kUpdates, true>,
-      Run<true, kParams, false>,  Run<true, kParams, true>,  Run<true, kUpdates, false>,  Run<true, kUpdates, true>};
-  return table[(bf16_grads ? 4 : 0) + (mode == kUpdates ? 2 : 0) + (out16 ? 1 : 0)];
+RunFn Pick(bool bf16_grads, bool moments, bool out16) {
+  static const RunFn table[6] = {Run<false, false, false>, Run<false, false, true>, Run<false, true, false>,
+                                 Run<true, false, false>,  Run<true, false, true>,  Run<true, true, false>};
+  return table[(bf16_grads ? 3 : 0) + (moments ? 2 : (out16 ? 1 : 0))];
 }
 
 // Elements [lo, hi) of the leaves laid end to end.
@@ -114,12 +108,11 @@ void RunRange(const std::vector<Leaf>& leaves, const std::vector<RunFn>& fns, in
   }
 }
 
-ffi::Error AdamWImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t leaves, int64_t updates,
+ffi::Error AdamWImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t leaves, int64_t moments,
                      int64_t out16, int64_t threads) {
-  if (updates < kParams || updates > kMoments || (out16 && updates != kParams)) {
-    return ffi::Error::InvalidArgument("zerojax_host_adamw: `updates` is 0, 1 or 2; out16 only with 0");
+  if (moments && out16) {
+    return ffi::Error::InvalidArgument("zerojax_host_adamw: out16 is for params mode (moments = 0)");
   }
-  const bool moments = updates == kMoments;
   const int64_t per_arg = out16 ? 5 : 4, per_ret = out16 ? 4 : (moments ? 2 : 3);
   if (static_cast<int64_t>(args.size()) != 1 + per_arg * leaves ||
       static_cast<int64_t>(rets.size()) != per_ret * leaves) {
@@ -181,15 +174,10 @@ ffi::Error AdamWImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t l
     }
     L.in_m = static_cast<const float*>(mi->untyped_data());
     L.in_v = static_cast<const float*>(vi->untyped_data());
-    fns[k] = Pick(gt != ffi::F32, updates, out16 != 0);
+    fns[k] = Pick(gt != ffi::F32, moments != 0, out16 != 0);
     total += n;
   }
-  if (!apply) {
-    if (updates == kUpdates) {  // the updates of a skipped step are zeros (they are written over g)
-      for (const Leaf& L : ls) std::memset(L.out, 0, sizeof(float) * L.n);
-    }
-    return ffi::Error::Success();
-  }
+  if (!apply) return ffi::Error::Success();
   const int64_t min_per_thread = 1 << 16;
   int64_t k = std::max<int64_t>(1, std::min<int64_t>(threads, total / min_per_thread));
   if (k == 1) {
@@ -215,6 +203,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ZerojaxHostAdamW, AdamWImpl,
                                   .RemainingArgs()
                                   .RemainingRets()
                                   .Attr<int64_t>("leaves")
-                                  .Attr<int64_t>("updates")
+                                  .Attr<int64_t>("moments")
                                   .Attr<int64_t>("out16")
                                   .Attr<int64_t>("threads"));

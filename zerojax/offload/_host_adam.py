@@ -198,7 +198,7 @@ def _native_step(threads: int, with16: bool):
 
     def step(p, g, m, v, o, s):
         (p,), (m,), (v,), o16 = native.host_adamw(s, [p], [g], [m], [v], None if o is None else [o],
-                                                  updates=False, threads=threads)
+                                                  threads=threads)
         return p, m, v, (o16[0] if with16 else None)
 
     return jax.jit(step, donate_argnums=(0, 2, 3, 4) if with16 else (0, 2, 3))

@@ -57,12 +57,12 @@ def native_adam_pass(plan: ZeroPlan, tx, recipe, inner, params, grads, moment_sp
 
     def body(s, ps, gs, ms, vs):
         if not updates:
-            first, ms, vs, _ = native.host_adamw(s, ps, gs, ms, vs, updates=False, threads=threads)
+            first, ms, vs, _ = native.host_adamw(s, ps, gs, ms, vs, threads=threads)
             return first, ms, vs
         # the kernel writes the moments only; the updates are XLA ops on them, which the caller's
         # apply (params + updates) fuses into one pass that writes the params in place: no
         # buffer for the updates, and no copy of gradients the caller keeps (written over before)
-        _, ms, vs, _ = native.host_adamw(s, ps, gs, ms, vs, updates="moments", threads=threads)
+        _, ms, vs, _ = native.host_adamw(s, ps, gs, ms, vs, moments=True, threads=threads)
         first = [native.adamw_updates(s, p, to_device_memory(m).reshape(p.shape), to_device_memory(v).reshape(p.shape))
                  for p, m, v in zip(ps, ms, vs)]
         return first, ms, vs

@@ -2,6 +2,7 @@
 when the block is in the config (and only then), training exactly as without it; with
 cpu_checkpointing the saved inputs are typed as host memory in the step's program; the keys
 without an effect in XLA are warned by name, partition_activations over a model axis refused."""
+import dataclasses
 import logging
 
 import jax
@@ -96,7 +97,11 @@ def test_a_deepspeed_file_with_sequence_parallelism_and_host_checkpoints_trains_
     # 2 samples x 4 data groups: the plain run's global batch of 8
     config = {**BASE, "train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2},
               "sequence_parallel_size": 2, "activation_checkpointing": {"cpu_checkpointing": True}}
-    state, step = zj.initialize(gpt.init_params(CFG, jax.random.PRNGKey(0)), gpt.loss_fn(CFG), config)
+    # the layers as a Python loop: on CPU devices XLA's runtime may start the all-to-alls inside a
+    # scanned layer's loop and a collective outside it in a different order on different devices,
+    # which deadlocks (3 copies of this test side by side with the layers scanned: 2 aborted)
+    cfg = dataclasses.replace(CFG, scan=False)
+    state, step = zj.initialize(gpt.init_params(cfg, jax.random.PRNGKey(0)), gpt.loss_fn(cfg), config)
     assert dict(state.plan.mesh.shape) == {"data": 4, "seq": 2}
 
     def split(i):  # the same tokens, shifted already: the form whose sequence dim is split over "seq"
@@ -116,7 +121,9 @@ def test_a_deepspeed_file_with_sequence_parallelism_and_host_checkpoints_trains_
     if jax.config.jax_compilation_cache_dir:
         assert any("Not writing persistent cache entry" in r.getMessage() and "inf seconds" in r.getMessage()
                    for r in caplog.records)
-    for a, b in zip(jax.tree_util.tree_leaves(state.full_params()), jax.tree_util.tree_leaves(plain[2].full_params())):
+    params = state.full_params()
+    params["blocks"] = jax.tree_util.tree_map(lambda *layers: np.stack(layers), *params["blocks"])  # as scanned
+    for a, b in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(plain[2].full_params())):
         np.testing.assert_allclose(a, b, rtol=3e-5, atol=3e-5)
 
 

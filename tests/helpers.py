@@ -26,7 +26,8 @@ def child_env(devices=None, **extra) -> dict:
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 # A benchmark's --smoke figures mean nothing, so its child compiles with XLA's older CPU emitters
 # (--xla_cpu_use_fusion_emitters=false), which compile these programs about twice as fast; the
-# suite's own tests keep the default (see tests/conftest.py).
+# suite's own processes set the same flag (tests/conftest.py), so this matters for a child
+# started with ZEROJAX_TEST_FAST_COMPILE=0 or its own XLA_FLAGS.
 SMOKE_FLAGS = "--xla_cpu_use_fusion_emitters=false"
 
 

@@ -22,6 +22,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import zerojax as zj
+from tests.helpers import run_benchmark
 from zerojax._autotp import autotp_leaves
 from zerojax._errors import ConfigError, IgnoredKeysWarning
 
@@ -351,16 +352,7 @@ def test_checkpoint_saved_at_tp2_dp4_restores_at_dp8(tmp_path):
 
 @pytest.mark.slow
 def test_benchmark_smoke_prints_both_layouts():
-    import os
-    import subprocess
-    import sys
-
-    bench = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["JAX_PLATFORMS"] = "cpu"
-    out = subprocess.run([sys.executable, str(bench / "autotp.py"), "--smoke", "--stages", "1"], cwd=bench, env=env,
-                         capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert "TP2xDP4 MiB/dev" in out.stdout and "DP 8 ms" in out.stdout
-    row = [line for line in out.stdout.splitlines() if line.strip().startswith("1 |")]
-    assert len(row) == 1, out.stdout
+    out = run_benchmark("autotp.py", "--smoke", "--stages", "1")  # with the suite's compile flags
+    assert "TP2xDP4 MiB/dev" in out and "DP 8 ms" in out
+    row = [line for line in out.splitlines() if line.strip().startswith("1 |")]
+    assert len(row) == 1, out

@@ -21,7 +21,7 @@ import optax
 import pytest
 
 import zerojax as zj
-from tests.helpers import batches, init_params, loss_fn
+from tests.helpers import batches, init_params, loss_fn, run_benchmark
 from zerojax._compat import cost_analysis
 from zerojax.config._deepspeed import key_report
 from zerojax._errors import ConfigError
@@ -366,16 +366,7 @@ def test_the_docs_snippets_run():
         exec(compile(code, "docs/monitors.md", "exec"), {"__name__": "__docs__"})
 
 
-@pytest.mark.slow  # compiles a small GPT twice over, with wandb's process: about a minute here
+@pytest.mark.slow  # compiles a small GPT twice over, with wandb's process: about 9 s alone
 def test_benchmark_smoke_prints_the_ratio_and_the_costs():
-    import pathlib
-    import subprocess
-    import sys
-
-    bench = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["JAX_PLATFORMS"] = "cpu"
-    out = subprocess.run([sys.executable, str(bench / "monitors.py"), "--smoke"], cwd=bench, env=env,
-                         capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert "monitors on / off: " in out.stdout and "caller us/step" in out.stdout and "writer cpu us" in out.stdout
+    out = run_benchmark("monitors.py", "--smoke")  # with the suite's compile flags
+    assert "monitors on / off: " in out and "caller us/step" in out and "writer cpu us" in out

@@ -209,6 +209,9 @@ BUDGET = {
                                 "a fresh process compiling every contender it times",
     "tests/test_pipeline.py": "51 s (66 s in the slower run): every pipeline schedule's program against plain "
                               "optax, and the pipeline benchmark's smoke run (18-22 s)",
+    "tests/runtime/test_distributed.py": "53 s (62 s in the slower runs): 16 processes: a two-process run of 4 "
+                                         "devices each shared by its tests, and the launcher's failure handling "
+                                         "(a killed worker, a failing rank, Ctrl-C, torchrun's variables)",
     "tests/test_autotp.py": "62 s: Hugging Face GPT-2 and Llama trained under AutoTP at stages 1-3, and the "
                             "AutoTP benchmark's smoke run (21 s)",
 }

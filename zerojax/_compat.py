@@ -167,9 +167,10 @@ def persisting_breaks(plan) -> bool:
     step over a "seq" axis whose checkpoints go to host memory (``cpu_checkpointing``) compiles and
     runs, but the same program read back from the cache deadlocks in its collectives (the devices
     of one group wait at different all-gathers / all-to-alls until XLA aborts the process). With
-    the layers in a ``lax.scan`` a fresh compile can deadlock the same way on a busy machine (the
-    runtime orders a loop's all-to-alls and an outside collective differently per device); the
-    suite trains that case with the layers as a Python loop (docs/long-context.md)."""
+    the layers in a ``lax.scan`` a fresh compile over "seq" can deadlock the same way on a busy
+    machine, host checkpoints or not (the runtime orders a loop's all-to-alls and an outside
+    collective differently per device); the suite trains that case with the layers as a Python
+    loop (docs/long-context.md)."""
     block = plan.config.activation_checkpointing or {}
     return (plan.mesh.shape.get("seq", 1) > 1 and bool(block.get("cpu_checkpointing"))
             and plan.mesh.devices.flat[0].platform == "cpu")

@@ -3,9 +3,9 @@ on tiny shapes (the figures mean nothing on the CPU; the scripts must not rot). 
 own process, as a user runs it, compiled with XLA's older CPU emitters (tests.helpers.SMOKE_FLAGS).
 
 The smoke modes compile each contender once, at one GPT layer (compile_time: plain DDP and
-stage 2 at 1 and 2 layers, for its slope) and one batch row per device; the two scripts share vs_plain_jax's code, so gpu_check's
-smoke run times one of its ratios and one optimizer, and vs_plain_jax's every ratio and every
-optimizer. compile_time's smoke counts recompiles over 4 steps with a save every 2, a restore and
+stage 2 at 1 and 2 layers, for its slope) and one batch row per device; the two scripts share
+vs_plain_jax's code, so gpu_check's smoke run times one of its ratios and one optimizer, and
+vs_plain_jax's every ratio and every optimizer. compile_time's smoke counts recompiles over 4 steps with a save every 2, a restore and
 finish(), and times the persistent cache cold and warm in two child processes (stage 3 only)."""
 from tests.helpers import run_benchmark as run
 

@@ -8,7 +8,8 @@
 // each result over the memory it came from.
 //
 // scalars: b1, c1 = (1 - b1) * s, b2, c2 = (1 - b2) * s^2, eps_hat = eps * sqrt(bc2),
-//          step = lr * sqrt(bc2) / bc1, decay = 1 - lr * wd, lr_wd = lr * wd,
+//          step = lr * sqrt(bc2) / bc1, decay = 1 - lr * wd, lr_wd = lr * wd (not read here:
+//          adamw_updates in _native.py makes moments mode's updates with it),
 //          root_hat = eps_root * bc2, apply (0: a skipped step, nothing is touched)
 //   m' = b1 m + c1 g;  v' = b2 v + c2 g^2;  d = step m' / (sqrt(v' + root_hat) + eps_hat)
 //   params mode:  p' = decay p - d        moments mode: m' and v' only (p is not read)
@@ -40,7 +41,7 @@ struct Leaf {
 };
 
 struct Coefs {
-  float b1, c1, b2, c2, eps_hat, step, decay, lr_wd, root_hat;
+  float b1, c1, b2, c2, eps_hat, step, decay, root_hat;
 };
 
 inline float bf16_to_f32(uint16_t h) {
@@ -123,7 +124,7 @@ ffi::Error AdamWImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t l
     return ffi::Error::InvalidArgument("zerojax_host_adamw: scalars must be f32[10]");
   }
   const float* s = static_cast<const float*>(scal->untyped_data());
-  const Coefs c{s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7], s[8]};
+  const Coefs c{s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[8]};  // s[7] is lr_wd
   // A skipped step (fp16 overflow) leaves every result as its operand: the results are
   // aliased to the operands, so untouched they hold the old values bit for bit.
   const bool apply = s[9] != 0.0f;

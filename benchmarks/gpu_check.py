@@ -15,6 +15,7 @@ the others still run. On a single GPU the stage ratios compare one-device progra
 collectives are no-ops there, so they show the cost of zerojax's step around the same math.
 """
 import argparse
+import functools
 import os
 import sys
 import time
@@ -61,9 +62,9 @@ def fused_adam_bandwidth(n: int, reps: int):
 class Run:
     """One zerojax step on a fixed batch, in the shape vs_plain_jax.time_all times."""
 
-    def __init__(self, cfg, config, tx=None):
+    def __init__(self, cfg, params, config, tx=None):
         tx = tx or optax.inject_hyperparams(optax.adamw)(learning_rate=1e-4, weight_decay=0.01)
-        self.state = zj.shard_train_state(lambda k: init_params(cfg, k), tx, config=config)
+        self.state = zj.shard_train_state(params, tx, config=config)
         self.step = zj.make_train_step(loss_fn(cfg), self.state)
 
     def run(self, batch):
@@ -77,10 +78,11 @@ class Run:
 def offload_and_zenflow(cfg, batch, rounds, steps):
     print(f"\n2-3. offload and ZenFlow, GPT {cfg.n_params / 1e6:.0f}M params, bf16, stage 2")
     base = dict(stage=2, precision="bf16")
-    runs = {"device": Run(cfg, zj.ZeroConfig(**base)),
-            "offload": Run(cfg, zj.ZeroConfig(**base, offload_optimizer="cpu")),
-            "zenflow": Run(cfg, zj.ZeroConfig(**base, offload_optimizer="cpu",
-                                              zenflow={"topk_ratio": 0.1, "update_interval": 4}))}
+    params = vs_plain_jax.host_params(functools.partial(init_params, cfg, jax.random.PRNGKey(0)))
+    runs = {"device": Run(cfg, params, zj.ZeroConfig(**base)),
+            "offload": Run(cfg, params, zj.ZeroConfig(**base, offload_optimizer="cpu")),
+            "zenflow": Run(cfg, params, zj.ZeroConfig(**base, offload_optimizer="cpu",
+                                                      zenflow={"topk_ratio": 0.1, "update_interval": 4}))}
     try:  # three warm-up steps compile every variant ZenFlow runs (selection, host update)
         ms = vs_plain_jax.time_all(runs, batch, rounds, steps, warmup=3)
     finally:

@@ -88,10 +88,19 @@ def fsdp_spec(x, n: int) -> P:
     return P(*spec)
 
 
+def host_params(init):
+    """The params ``init()`` makes, computed once and held in host memory. Every contender is
+    placed from these (the same values for all), and none compiles the initialiser again: a
+    GPT's per-leaf random draws cost about as much to compile as a small step."""
+    return jax.device_get(jax.jit(init)())
+
+
 class Plain:
-    def __init__(self, mode, mesh, init, loss, make_tx=tx):
+    """The plain-jit contender, placed from ``params`` (a host tree, :func:`host_params`)."""
+
+    def __init__(self, mode, mesh, params, loss, make_tx=tx):
         n = mesh.shape["data"]
-        shapes = jax.eval_shape(init)
+        shapes = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
         opt_shapes = jax.eval_shape(make_tx().init, shapes)
         if mode == "ddp":
             spec = lambda x: P()  # noqa: E731
@@ -100,7 +109,7 @@ class Plain:
         params_sh = jax.tree_util.tree_map(lambda x: NamedSharding(mesh, spec(x)), shapes)
         opt_sh = jax.tree_util.tree_map(lambda x: NamedSharding(mesh, spec(x)), opt_shapes)
         self.batch_sh = NamedSharding(mesh, P("data"))
-        self.params = jax.jit(init, out_shardings=params_sh)()
+        self.params = jax.device_put(params, params_sh)
         self.opt_state = jax.jit(make_tx().init, out_shardings=opt_sh)(self.params)
         self.fn = plain_step(loss, params_sh, opt_sh, self.batch_sh, make_tx)
         self.shardings = (params_sh, opt_sh)
@@ -122,9 +131,11 @@ class Plain:
 
 
 class Zero:
-    def __init__(self, stage, mesh, init, loss, make_tx=tx, **settings):
+    """A zerojax contender, placed from ``params`` (a host tree, :func:`host_params`)."""
+
+    def __init__(self, stage, mesh, params, loss, make_tx=tx, **settings):
         config = zj.ZeroConfig(stage=stage, **settings)
-        self.state = zj.shard_train_state(lambda _: init(), make_tx(), mesh=mesh, config=config)
+        self.state = zj.shard_train_state(params, make_tx(), mesh=mesh, config=config)
         self.step = zj.make_train_step(loss, self.state)
         self.shardings = self.state.shardings
 
@@ -184,14 +195,14 @@ RATIOS = {"s0/ddp": ("s0", "ddp"), "s1/ddp": ("s1", "ddp"), "s2/ddp": ("s2", "dd
 ALL = ["ddp", "fsdp", "s0", "s1", "s2", "s3", "s3p0", "s3auto", "s3lean"]
 
 
-def build(name, mesh, init, loss, d_model):
+def build(name, mesh, params, loss, d_model):
     """``ddp``/``fsdp``: plain jit; ``s0``-``s3``: zerojax at its defaults (DeepSpeed's);
     ``s3p0``: stage 3 with ``param_persistence_threshold: 0``, every param partitioned (no
     small param kept whole), the setting closest to FSDP; ``s3auto``: stage 3 with a config's
     "auto" bucket and threshold as Hugging Face fills them in; ``s3lean``: stage 3 at
     ``max_reuse_distance: 0`` under the "auto" bucket (0.9 * d^2), peak_memory.py's lean run."""
     if name in ("ddp", "fsdp"):
-        return Plain(name, mesh, init, loss)
+        return Plain(name, mesh, params, loss)
     settings = {}
     # a config's "auto" values, filled in by zerojax's own reading of them, as zj.initialize does
     auto = zj.ZeroConfig.from_deepspeed(
@@ -206,7 +217,7 @@ def build(name, mesh, init, loss, d_model):
                     "param_persistence_threshold": auto.param_persistence_threshold}
     elif name == "s3lean":
         settings = {"max_reuse_distance": 0, "prefetch_bucket_size": auto.prefetch_bucket_size}
-    return Zero(int(name[1]), mesh, init, loss, **settings)
+    return Zero(int(name[1]), mesh, params, loss, **settings)
 
 
 def gpt_case(name, args):
@@ -223,7 +234,7 @@ def gpt_case(name, args):
     n = mesh.shape["data"]
     rng = np.random.default_rng(0)
     batch = {"tokens": rng.integers(0, cfg.vocab, (args.batch, cfg.seq_len + 1), dtype=np.int32)}
-    init = functools.partial(init_params, cfg, jax.random.PRNGKey(0))
+    params = host_params(functools.partial(init_params, cfg, jax.random.PRNGKey(0)))
     loss = loss_fn(cfg)
     wanted = {k: RATIOS[k] for k in args.ratios}
     names = [k for k in ALL if any(k in pair for pair in wanted.values())]
@@ -236,9 +247,9 @@ def gpt_case(name, args):
         contenders = {}
         for k in group:
             if getattr(args, "smoke", False):
-                contenders[k] = shared.get(k) or shared.setdefault(k, build(k, mesh, init, loss, cfg.d_model))
+                contenders[k] = shared.get(k) or shared.setdefault(k, build(k, mesh, params, loss, cfg.d_model))
             else:
-                contenders[k] = build(k, mesh, init, loss, cfg.d_model)
+                contenders[k] = build(k, mesh, params, loss, cfg.d_model)
             if parked:
                 contenders[k].park()
         got = time_all(contenders, batch, args.rounds, args.steps, swap=parked)
@@ -268,11 +279,12 @@ def optimizer_bound_case(args):
     def loss(params, batch):  # batch["x"]: one row per device
         return sum(jnp.vdot(p[0], batch["x"][0]) for p in params.values()) / len(params)
 
+    params = host_params(init)
     batch = {"x": np.ones((1, 4096), np.float32)}
     total = sum(r * 4096 for r in widths)
     for name in args.opt_tx:
         make_tx = OPTIMIZERS[name]
-        contenders = {"jit": Plain("ddp", mesh, init, loss, make_tx), "s0": Zero(0, mesh, init, loss, make_tx)}
+        contenders = {"jit": Plain("ddp", mesh, params, loss, make_tx), "s0": Zero(0, mesh, params, loss, make_tx)}
         ms = time_all(contenders, batch, args.rounds, args.steps)
         del contenders
         report(f"optimizer-bound: one device, {total / 1e6:.1f}M fp32 params, {name}", ms,

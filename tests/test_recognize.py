@@ -59,6 +59,8 @@ def test_recognition_and_the_gated_check_compile_two_programs(make_tx, recipe):
     from zerojax.stages import _adam, _momentum
 
     jax.clear_caches()
+    for memory in (_recognize._cache, _adam.adam_recipe, _momentum.momentum_recipe):
+        memory.cache_clear()  # an equal optimizer recognised by an earlier test would be remembered
     tx = make_tx()
     with count_compiles() as seen:
         if recipe is None:
@@ -85,3 +87,32 @@ def test_a_pass_that_differs_from_optax_is_not_used():
     assert opt is not None and opt.kind == "adam" and not exact
     opt, exact = _recognize._find(tx, lambda o: lambda *a: gated_adam(AdamRecipe(o.constants), tx, *a))
     assert exact
+
+
+def test_an_equal_optimizer_built_again_is_remembered_and_a_different_one_is_not():
+    """Recognition is remembered by what built the transformation (its code and values), not by
+    the object: ``optax.adamw(...)`` made again with the same values compiles nothing more, as
+    a test or a restarted build makes it; other values are recognised anew, with their own
+    settings; a transformation whose closure holds a large array is remembered by identity."""
+    from zerojax.stages import _adam
+
+    for memory in (_recognize._cache, _adam.adam_recipe):
+        memory.cache_clear()
+    make = lambda wd: optax.inject_hyperparams(optax.adamw)(  # noqa: E731
+        learning_rate=optax.linear_schedule(2.5e-3, 1e-4, 7), weight_decay=wd)
+    first = _adam.adam_recipe(make(0.031))
+    assert first is not None
+    with count_compiles() as seen:
+        again = _adam.adam_recipe(make(0.031))
+        opt = _recognize.recognize(make(0.031))
+    assert again is first and opt is not None and not seen, seen
+    assert _recognize.transformation_key(make(0.031)) != _recognize.transformation_key(make(0.032))
+    with count_compiles() as seen:
+        other = _recognize.recognize(optax.adamw(2.5e-3, weight_decay=0.032))
+    assert seen and other.constants["weight_decay"] == pytest.approx(0.032, rel=1e-5)
+
+    table = jax.numpy.arange(5000.0)  # too large to key: remembered by identity
+    masked = optax.chain(optax.adamw(1e-3), optax.scale_by_schedule(lambda n: table[n % 5000] * 0 + 1))
+    with pytest.raises(TypeError):
+        _recognize.transformation_key(masked)
+    assert _recognize.recognize(masked) is _recognize.recognize(masked)

@@ -6,13 +6,12 @@ one (a pass is checked against the optimizer's own ``tx.update`` where it is rec
 """
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import optax
 
 from zerojax._compat import same_memory_space
+from zerojax.update._recognize import per_transformation  # noqa: F401 - remembered by structure
 from zerojax.update._recognize import with_node as replace_node  # one home for the chain's first state
 
 __all__ = ["find_node", "per_transformation", "replace_node", "scalar_step",
@@ -80,16 +79,3 @@ def unzip_leaves(like, out, i):
     return jax.tree_util.tree_map(lambda _, o: o[i], like, out)
 
 
-def per_transformation(fn):
-    """``fn(tx)`` remembered per transformation (an unhashable one is probed again each time)."""
-    cached = functools.lru_cache(maxsize=256)(fn)
-
-    @functools.wraps(fn)
-    def remembered(tx):
-        try:
-            return cached(tx)
-        except TypeError:  # unhashable transformation
-            return fn(tx)
-
-    remembered.cache_clear = cached.cache_clear
-    return remembered

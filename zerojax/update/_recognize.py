@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from zerojax._compat import probe_jit
 from zerojax._errors import OptimizerError
 
 __all__ = ["Optimizer", "StepSettings", "describe", "direction", "init_shape", "node_of", "recognize", "recognize_with_pass", "refuse", "rule",
@@ -200,7 +201,7 @@ class StepSettings:
         if opt.injected:
             zero = jnp.zeros((1,), jnp.float32)
             self._shadow = tx.init(zero)
-            self._advance = jax.jit(lambda s: tx.update(zero, s, zero)[1])
+            self._advance = probe_jit(lambda s: tx.update(zero, s, zero)[1])
 
     def peek(self) -> dict:
         """The settings of the next applied step (a skipped step leaves them where they were)."""
@@ -228,7 +229,7 @@ def _updater(tx, kind):
     arithmetic is what it is on any state). Probing compiles this one program, not one per
     operation, and calls of one shape reuse it."""
 
-    @jax.jit
+    @probe_jit
     def run(g, p, moments):
         state = tx.init(p)
         if moments:
@@ -364,7 +365,7 @@ def _verified(opt: Optimizer, tx, gated=None) -> tuple:
     set_count = bool(slots) and "count" in node._fields
     injected_count = getattr(shape, "hyperparams", None) is not None and "count" in shape._fields
 
-    @jax.jit
+    @probe_jit
     def both(count, p, g, moments):
         state = tx.init({"x": p})
         if slots:

@@ -116,3 +116,22 @@ def test_an_equal_optimizer_built_again_is_remembered_and_a_different_one_is_not
     with pytest.raises(TypeError):
         _recognize.transformation_key(masked)
     assert _recognize.recognize(masked) is _recognize.recognize(masked)
+
+
+def test_probe_programs_compile_with_the_cheap_cpu_options_and_agree_with_jit():
+    """Recognition's probe programs (a few scalar operations, run once) are compiled with XLA:CPU's
+    older emitters and no LLVM optimisation on a CPU backend; a program so compiled gives the
+    same values as ``jax.jit``, bit for bit, on the recognition's kind of arithmetic."""
+    from zerojax import _compat
+
+    tx = optax.adamw(1.7e-3, weight_decay=0.013)
+    x = {"x": np.array([0.0, 1e3, -2.5, 7.0], np.float32)}
+
+    def update(g, p):
+        return tx.update(g, tx.init(p), p)
+
+    got = jax.device_get(_compat.probe_jit(update)(x, x))
+    want = jax.device_get(jax.jit(update)(x, x))
+    assert jax.tree_util.tree_all(jax.tree_util.tree_map(lambda a, b: np.array_equal(a, b), got, want))
+    if jax.default_backend() == "cpu":  # this XLA accepts the options: they are used
+        assert _compat._probe_options == [_compat._PROBE_OPTIONS]

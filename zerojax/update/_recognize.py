@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from zerojax._compat import probe_jit
+from zerojax._compat import Tracer, probe_jit
 from zerojax._errors import OptimizerError
 
 __all__ = ["Optimizer", "StepSettings", "describe", "direction", "init_shape", "node_of", "recognize", "recognize_with_pass", "refuse", "rule",
@@ -106,7 +106,7 @@ def rule(opt: Optimizer, hp: dict, count, p, g, slots, xp=jnp):
 
 def _nonzero(x) -> bool:
     # a traced setting (injected, inside a jitted check) may be anything: optax adds it
-    return isinstance(x, jax.core.Tracer) or bool(x)
+    return isinstance(x, Tracer) or bool(x)
 
 
 # ------------------------------------------------------------------ finding the node
@@ -486,7 +486,7 @@ def _structure(obj, seen: set):
         return (obj.__module__, obj.__code__, tuple(cells), _structure(obj.__defaults__, seen),
                 _structure(obj.__kwdefaults__, seen))
     if isinstance(obj, (np.ndarray, jax.Array)):
-        if isinstance(obj, jax.core.Tracer) or obj.size > _SMALL or obj.dtype == object:
+        if isinstance(obj, Tracer) or obj.size > _SMALL or obj.dtype == object:
             raise TypeError("a traced or large array")
         obj = np.asarray(obj)
         return np.ndarray, obj.shape, obj.dtype.str, obj.tobytes()

@@ -134,4 +134,4 @@ def test_probe_programs_compile_with_the_cheap_cpu_options_and_agree_with_jit():
     want = jax.device_get(jax.jit(update)(x, x))
     assert jax.tree_util.tree_all(jax.tree_util.tree_map(lambda a, b: np.array_equal(a, b), got, want))
     if jax.default_backend() == "cpu":  # this XLA accepts the options: they are used
-        assert _compat._probe_options == [_compat._PROBE_OPTIONS]
+        assert _compat.probe_options() == _compat._PROBE_OPTIONS

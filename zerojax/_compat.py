@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import jax
 import numpy as np
@@ -180,19 +181,22 @@ def persisting_breaks(plan) -> bool:
 # LLVM optimisation; zerojax's probe programs (optimizer recognition, a gated pass's check) are a
 # few dozen scalar operations on a handful of values, run once each, so only their compile counts
 _PROBE_OPTIONS = {"xla_cpu_use_fusion_emitters": False, "xla_backend_optimization_level": 0}
-_probe_options: list = []
+
+
+@functools.lru_cache(maxsize=None)
+def probe_options():
+    """:data:`_PROBE_OPTIONS` on a CPU backend whose XLA accepts them, else None."""
+    if jax.default_backend() != "cpu":
+        return None
+    try:
+        jax.jit(lambda x: x + 1, compiler_options=_PROBE_OPTIONS).lower(np.float32(0)).compile()
+    except Exception:  # noqa: BLE001 - an XLA without these options: compile as usual
+        return None
+    return _PROBE_OPTIONS
 
 
 def probe_jit(fn):
-    """``jax.jit(fn)`` for a small program run once on probe values: on a CPU backend compiled
-    with :data:`_PROBE_OPTIONS` (where this XLA accepts them), elsewhere as usual."""
-    if not _probe_options:
-        options = None
-        if jax.default_backend() == "cpu":
-            try:
-                jax.jit(lambda x: x + 1, compiler_options=_PROBE_OPTIONS).lower(np.float32(0)).compile()
-                options = _PROBE_OPTIONS
-            except Exception:  # noqa: BLE001 - an XLA without these options: compile as usual
-                options = None
-        _probe_options.append(options)
-    return jax.jit(fn, compiler_options=_probe_options[0]) if _probe_options[0] else jax.jit(fn)
+    """``jax.jit(fn)`` for a small program run once on probe values: compiled with
+    :func:`probe_options` where there are any, elsewhere as usual."""
+    options = probe_options()
+    return jax.jit(fn, compiler_options=options) if options else jax.jit(fn)

@@ -505,21 +505,21 @@ def _structure(obj, seen: set):
 
 class _Remembered:
     """What was learnt per transformation, the last 256: keyed by :func:`transformation_key`,
-    or by the transformation itself where it has none (an unhashable one is probed each time)."""
+    or by the transformation itself where it has none (an unhashable one is probed each time).
+    A caller takes :meth:`key` once and reads and writes under it."""
 
     def __init__(self, size: int = 256):
         self._found, self._size = collections.OrderedDict(), size
 
     @staticmethod
-    def _key(tx):
+    def key(tx):
         try:
             return "structure", transformation_key(tx)
         except (TypeError, ValueError):
             return "identity", tx
 
-    def get(self, tx):
+    def get(self, key):
         """``(known, what was remembered)``."""
-        key = self._key(tx)
         try:
             if key in self._found:
                 self._found.move_to_end(key)
@@ -528,9 +528,9 @@ class _Remembered:
             pass
         return False, None
 
-    def put(self, tx, found) -> None:
+    def put(self, key, found) -> None:
         try:
-            self._found[self._key(tx)] = found
+            self._found[key] = found
         except TypeError:
             return
         while len(self._found) > self._size:
@@ -540,33 +540,32 @@ class _Remembered:
         self._found.clear()
 
 
-def per_transformation(fn):
-    """``fn(tx)`` remembered per transformation (:class:`_Remembered`)."""
-    memory = _Remembered()
+def per_transformation(fn, memory: Optional[_Remembered] = None):
+    """``fn(tx)`` remembered per transformation, in ``memory`` (a :class:`_Remembered` of its own
+    by default)."""
+    memory = _Remembered() if memory is None else memory
 
     @functools.wraps(fn)
     def remembered(tx):
-        known, found = memory.get(tx)
+        key = memory.key(tx)
+        known, found = memory.get(key)
         if not known:
             found = fn(tx)
-            memory.put(tx, found)
+            memory.put(key, found)
         return found
 
     remembered.cache_clear = memory.cache_clear
     return remembered
 
 
-_cache = _Remembered()
+_cache = _Remembered()  # recognitions, shared by recognize and recognize_with_pass
 
 
+@functools.partial(per_transformation, memory=_cache)
 def recognize(tx) -> Optional[Optimizer]:
     """The :class:`Optimizer` ``tx`` is (checked against its own update), else None.
     Remembered per transformation."""
-    known, opt = _cache.get(tx)
-    if not known:
-        opt = _recognize(tx)
-        _cache.put(tx, opt)
-    return opt
+    return _recognize(tx)
 
 
 def recognize_with_pass(tx, make_gated) -> tuple:
@@ -575,11 +574,12 @@ def recognize_with_pass(tx, make_gated) -> tuple:
     it has none for that optimizer) gives what ``tx.update`` and ``optax.apply_updates`` give on
     the probes, every leaf of the state to 1e-6. The pass is checked in the program that checks
     the recognition, so a step's build compiles one check, not two."""
-    known, opt = _cache.get(tx)
+    key = _cache.key(tx)
+    known, opt = _cache.get(key)
     if known:
         return opt, opt is not None and _checked(opt, tx, make_gated)[1]
     opt, exact = _find(tx, make_gated)
-    _cache.put(tx, opt)
+    _cache.put(key, opt)
     return opt, exact
 
 

@@ -33,7 +33,6 @@ Two more figures, each from its own processes or loop:
     python benchmarks/compile_time.py --smoke                # tiny shapes, the loop only: the script runs
 """
 import argparse
-import functools
 import json
 import os
 import re
@@ -54,7 +53,7 @@ import optax  # noqa: E402
 
 import zerojax as zj  # noqa: E402
 from zerojax._compat import count_compiles  # noqa: E402
-from zerojax.models.gpt import GPTConfig, init_params, loss_fn  # noqa: E402
+from zerojax.models.gpt import GPTConfig, loss_fn  # noqa: E402
 
 GOAL = 1.2
 BASELINE = {"s0": "ddp", "s1": "ddp", "s2": "ddp", "s3": "fsdp"}
@@ -64,20 +63,11 @@ def make_tx():
     return optax.adamw(1e-4, weight_decay=0.01)
 
 
-@functools.lru_cache(maxsize=1)
-def gpt_params(cfg: GPTConfig):
-    """The GPT's params in host memory, made once per config: every contender (and layer count's
-    round) is placed from them, outside the clock."""
-    from vs_plain_jax import host_params
-
-    return host_params(functools.partial(init_params, cfg, jax.random.PRNGKey(0)))
-
-
 class Contender:
     """A state built outside the clock; ``first_step()`` times building the step + its first call."""
 
     def __init__(self, name, mesh, cfg):
-        from vs_plain_jax import Plain
+        from vs_plain_jax import Plain, gpt_params
 
         self.name, self.cfg = name, cfg
         params = gpt_params(cfg)
@@ -328,6 +318,8 @@ def recompile_figures(args, steps: int = 20, every: int = 5) -> dict:
     steps with a save every ``every``."""
     cfg = GPTConfig(vocab=args.vocab, n_layer=args.layers[0], d_model=args.d, n_head=4, seq_len=args.seq)
     batch = batch_for(cfg, args.batch)
+    from vs_plain_jax import gpt_params
+
     state = zj.shard_train_state(gpt_params(cfg), make_tx(), mesh=zj.make_mesh(), config=zj.ZeroConfig(stage=2))
     step = zj.make_train_step(loss_fn(cfg), state)
     state, _ = step(state, batch)

@@ -15,7 +15,6 @@ the others still run. On a single GPU the stage ratios compare one-device progra
 collectives are no-ops there, so they show the cost of zerojax's step around the same math.
 """
 import argparse
-import functools
 import os
 import sys
 import time
@@ -78,7 +77,7 @@ class Run:
 def offload_and_zenflow(cfg, batch, rounds, steps):
     print(f"\n2-3. offload and ZenFlow, GPT {cfg.n_params / 1e6:.0f}M params, bf16, stage 2")
     base = dict(stage=2, precision="bf16")
-    params = vs_plain_jax.host_params(functools.partial(init_params, cfg, jax.random.PRNGKey(0)))
+    params = vs_plain_jax.gpt_params(cfg)
     runs = {"device": Run(cfg, params, zj.ZeroConfig(**base)),
             "offload": Run(cfg, params, zj.ZeroConfig(**base, offload_optimizer="cpu")),
             "zenflow": Run(cfg, params, zj.ZeroConfig(**base, offload_optimizer="cpu",

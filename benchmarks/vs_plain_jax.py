@@ -95,6 +95,12 @@ def host_params(init):
     return jax.device_get(jax.jit(init)())
 
 
+@functools.lru_cache(maxsize=1)
+def gpt_params(cfg: GPTConfig):
+    """A GPT's params in host memory (:func:`host_params`), made once per config."""
+    return host_params(functools.partial(init_params, cfg, jax.random.PRNGKey(0)))
+
+
 class Plain:
     """The plain-jit contender, placed from ``params`` (a host tree, :func:`host_params`)."""
 
@@ -234,7 +240,7 @@ def gpt_case(name, args):
     n = mesh.shape["data"]
     rng = np.random.default_rng(0)
     batch = {"tokens": rng.integers(0, cfg.vocab, (args.batch, cfg.seq_len + 1), dtype=np.int32)}
-    params = host_params(functools.partial(init_params, cfg, jax.random.PRNGKey(0)))
+    params = gpt_params(cfg)
     loss = loss_fn(cfg)
     wanted = {k: RATIOS[k] for k in args.ratios}
     names = [k for k in ALL if any(k in pair for pair in wanted.values())]

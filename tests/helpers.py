@@ -264,3 +264,22 @@ OPTIMIZERS = {
     "lamb": lambda: optax.lamb(1e-2),
 }
 
+
+def sub_jaxprs(value):
+    """The programs held in one equation parameter (a jaxpr, a closed jaxpr, or a tuple of them)."""
+    if hasattr(value, "jaxpr") and hasattr(value.jaxpr, "eqns"):  # a ClosedJaxpr
+        yield value.jaxpr
+    elif hasattr(value, "eqns"):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            yield from sub_jaxprs(v)
+
+
+def walk(jaxpr):
+    """Every equation of ``jaxpr`` and of the programs nested in it."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            for inner in sub_jaxprs(value):
+                yield from walk(inner)

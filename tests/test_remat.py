@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import zerojax as zj
+from tests.helpers import walk
 from zerojax._remat import config_scope
 from zerojax.models import gpt
 
@@ -21,25 +22,6 @@ BASE = {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 1.0,
 
 def tokens(step):
     return {"tokens": np.random.default_rng(step).integers(0, CFG.vocab, (8, CFG.seq_len + 1)).astype(np.int32)}
-
-
-def sub_jaxprs(value):
-    if hasattr(value, "jaxpr") and hasattr(value.jaxpr, "eqns"):  # a ClosedJaxpr
-        yield value.jaxpr
-    elif hasattr(value, "eqns"):
-        yield value
-    elif isinstance(value, (tuple, list)):
-        for v in value:
-            yield from sub_jaxprs(v)
-
-
-def walk(jaxpr):
-    """Every equation of ``jaxpr`` and of the programs nested in it."""
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for value in eqn.params.values():
-            for inner in sub_jaxprs(value):
-                yield from walk(inner)
 
 
 def program(step, state, batch):

@@ -108,12 +108,13 @@ def global_norm(tree) -> jax.Array:
     leaves = jax.tree_util.tree_leaves(tree)
     if not leaves:
         return jnp.float32(0.0)
+    return jnp.sqrt(sum(sum_of_squares(x) for x in leaves))
 
-    def sum_sq(x):
-        # contracted over every dim as it lies: flattening a leaf split along a later dim first
-        # would make the compiler gather the whole leaf
-        x = x.astype(jnp.float32)
-        dims = tuple(range(x.ndim))
-        return jax.lax.dot_general(x, x, ((dims, dims), ((), ())), precision=jax.lax.Precision.HIGHEST)
 
-    return jnp.sqrt(sum(sum_sq(x) for x in leaves))
+def sum_of_squares(x) -> jax.Array:
+    """The sum of ``x``'s squared elements in float32 (inf or nan if any element is)."""
+    # contracted over every dim as it lies: flattening a leaf split along a later dim first
+    # would make the compiler gather the whole leaf
+    x = x.astype(jnp.float32)
+    dims = tuple(range(x.ndim))
+    return jax.lax.dot_general(x, x, ((dims, dims), ((), ())), precision=jax.lax.Precision.HIGHEST)

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import zerojax._placement as placement
 from zerojax._compat import shard_map
 from zerojax._plan import LeafLayout, ZeroPlan
+from zerojax._precision import sum_of_squares
 
 
 def local_shape(lay: LeafLayout, n: int):
@@ -179,16 +180,22 @@ def pieces(flat, sizes, axis: int = 0):
     return [jax.lax.dynamic_slice_in_dim(flat, start, size, axis=axis) for start, size in zip(offsets, sizes)]
 
 
-def bucketed_reduce_scatter(grads, lays, axis_name: str, n: int, bucket_size: int):
+def bucketed_reduce_scatter(grads, lays, axis_name: str, n: int, bucket_size: int, sumsq: list | None = None):
     """Whole local gradients -> this device's shards of their sums, one reduce-scatter per
-    bucket of at most ``bucket_size`` elements (per dtype)."""
+    bucket of at most ``bucket_size`` elements (per dtype). With a list ``sumsq``, the float32
+    sum of squares of this device's part of each bucket is appended to it (one reduction over
+    the flat bucket, not one per leaf): together, this device's part of the shards' sum."""
     out = [None] * len(grads)
     for members in bucket_members(grads, lays, bucket_size):
         if len(members) == 1:
             out[members[0]] = reduce_scatter(grads[members[0]], lays[members[0]], axis_name)
+            if sumsq is not None:
+                sumsq.append(sum_of_squares(out[members[0]]))
             continue
         parts = [rows(grads[i], lays[i], n) for i in members]
         flat = jax.lax.psum_scatter(jnp.concatenate(parts, axis=1), axis_name, scatter_dimension=0, tiled=True)
+        if sumsq is not None:
+            sumsq.append(sum_of_squares(flat))
         for i, piece in zip(members, pieces(flat.reshape(-1), [r.shape[1] for r in parts])):
             out[i] = unrow(piece, lays[i], n)
     return out

@@ -44,7 +44,7 @@ def _update_fn(loss_fn: Callable, plan: ZeroPlan, tx, has_aux: bool, fused_adam:
                fused_block: int = 4096):
     cfg = plan.config
     fp16 = cfg.precision == "fp16"
-    compute_grads = grads_fn(loss_fn, plan, has_aux)
+    compute_grads = grads_fn(loss_fn, plan, has_aux, with_sumsq=True)
     homes = state_shardings(plan, tx)
     check_split(plan, tx)
     split = plan.partial_offload  # offload_ratio < 1: some params' state on the host, the rest here
@@ -122,8 +122,8 @@ def _update_fn(loss_fn: Callable, plan: ZeroPlan, tx, has_aux: bool, fused_adam:
         # just before its gather, layer by layer; the rest are fetched now
         state = state.replace(params=plan.map(
             lambda lay, x, s: x if lay.params_partitioned else placement.fetch(x, s), state.params, homes.params))
-        scaled, loss = compute_grads(state.params, batch, scale, rng)
-        checked = check_gradients(cfg, scaled, loss, scale)
+        scaled, loss, sumsq = compute_grads(state.params, batch, scale, rng)
+        checked = check_gradients(cfg, scaled, loss, scale if fp16 else None, sumsq)
         grads, coef, skip = checked.grads, checked.coef, checked.skip
         value = loss if takes_value(tx) else None  # reduce_on_plateau, polyak_sgd, momo read the loss
         def device():

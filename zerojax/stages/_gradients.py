@@ -31,6 +31,7 @@ from zerojax._compat import shard_map, to_device_memory
 from zerojax._errors import ConfigError
 from zerojax._mesh import SEQ
 from zerojax._plan import ZeroPlan
+from zerojax._precision import sum_of_squares
 from zerojax._remat import config_scope
 from zerojax._ulysses import comm_scope
 from zerojax.stages import _collectives as C
@@ -48,11 +49,15 @@ def loss_arity(loss_fn) -> int:
     return 3 if len(positional) >= 3 else 2
 
 
-def grads_fn(loss_fn: Callable, plan: ZeroPlan, has_aux: bool = False):
-    """The data-parallel gradient computation: (params, batch, scale, rng) -> (grads, loss).
+def grads_fn(loss_fn: Callable, plan: ZeroPlan, has_aux: bool = False, with_sumsq: bool = False):
+    """The data-parallel gradient computation: (params, batch, scale, rng) -> (grads, loss), or
+    (grads, loss, sumsq) ``with_sumsq``.
 
     ``grads`` are the mean over the global batch of d(scale·loss)/d(params), laid out as
-    ``plan.grad_shardings`` (partitioned from stage 1) and in float32.
+    ``plan.grad_shardings`` (partitioned from stage 1) and in float32; ``sumsq`` is their
+    float32 sum of squares (the square of their global norm), taken where it is cheapest: over
+    each reduce-scattered bucket as a whole where the gradients are reduced in buckets once
+    (stage 1; stage 2 without accumulation), over each leaf otherwise.
     """
     cfg, n, axis = plan.config, plan.n, plan.data_axis
     gas = cfg.gradient_accumulation_steps
@@ -71,16 +76,22 @@ def grads_fn(loss_fn: Callable, plan: ZeroPlan, has_aux: bool = False):
     # reduce_scatter=False: all-reduce, then keep the local partition (stage 3 ignores the key)
     scatter = C.bucketed_reduce_scatter if cfg.reduce_scatter or plan.stage == 3 else C.bucketed_all_reduce_slice
     wire = Wire.of(plan)
+    # the plain bucketed reduce-scatter hands over each bucket's sum of squares as a whole
+    bucket_sumsq = with_sumsq and n > 1 and scatter is C.bucketed_reduce_scatter and not wire.grad_bits
     if wire.grad_bits:  # ZeRO++ qgZ (stage 3): the leaves kept whole are reduced the same quantized way
         def scatter(xs, lays, axis_name, n, bucket_size):
             return wire.bucketed_reduce(xs, lays, bucket_size)
 
-    def reduce_some(tree, select):
+    def reduce_some(tree, select, sumsq=None):
         """Reduce the leaves ``select`` picks into this device's partitions, in buckets of
-        reduce_bucket_size. One device: nothing to reduce (XLA would still copy the gradients);
+        reduce_bucket_size (appending the buckets' sums of squares to a list ``sumsq``, where
+        ``bucket_sumsq``). One device: nothing to reduce (XLA would still copy the gradients);
         a leaf still split over another axis (sequence parallelism) is only padded to its storage."""
         if n == 1:
             return plan.map(lambda lay, x: placement.pad(x, lay) if select(lay) else x, tree)
+        if sumsq is not None and bucket_sumsq:
+            return C.on_selected(plan, tree, select, lambda lays, xs: C.bucketed_reduce_scatter(
+                xs, lays, axis, n, int(cfg.reduce_bucket_size), sumsq))
         return C.on_selected(plan, tree, select, lambda lays, xs: scatter(
             xs, lays, axis, n, int(cfg.reduce_bucket_size)))
 
@@ -101,6 +112,7 @@ def grads_fn(loss_fn: Callable, plan: ZeroPlan, has_aux: bool = False):
         # the mean over devices and micro-batches is folded into the loss's scale, so no pass
         # over the gradients divides them afterwards
         grad_scale = scale / denom
+        bucket_sq = []  # this device's sums of squares of the buckets reduced once (bucket_sumsq)
 
         def loss_of(p, mb, key):
             if stage3_loss is not None:
@@ -114,7 +126,8 @@ def grads_fn(loss_fn: Callable, plan: ZeroPlan, has_aux: bool = False):
             key = jax.random.fold_in(jax.random.fold_in(rng, jax.lax.axis_index(axis)), i)
             g, loss = jax.grad(loss_of, has_aux=True)(params, mb, key)
             g = jax.tree_util.tree_map(to_device_memory, g)  # offloaded params' gradients
-            return reduce_some(g, per_micro), loss
+            # without accumulation the per-micro-batch reduction is the last one (stage 2)
+            return reduce_some(g, per_micro, bucket_sq if gas == 1 else None), loss
 
         if seq_n > 1:  # keep the sequence split inside the body ("seq" stays automatic here)
             batch = split_sequence(batch, jax.sharding.get_abstract_mesh(), None, seq_n)
@@ -140,10 +153,27 @@ def grads_fn(loss_fn: Callable, plan: ZeroPlan, has_aux: bool = False):
 
         # communicate in the gradient dtype
         grads = plan.map(lambda lay, a: a.astype(cdt) if at_end_rs(lay) or at_end_ar(lay) else a, acc)
-        grads = reduce_some(grads, at_end_rs)
+        grads = reduce_some(grads, at_end_rs, bucket_sq)
         grads = all_reduce_some(grads, at_end_ar)
         grads = jax.tree_util.tree_map(lambda g: g.astype(f32), grads)
-        return grads, jax.lax.psum(loss_sum, axis) / denom
+        loss = jax.lax.psum(loss_sum, axis) / denom
+        if not with_sumsq:
+            return grads, loss
+
+        def in_buckets(lay):
+            return bucket_sumsq and (at_end_rs(lay) or (gas == 1 and per_micro(lay)))
+
+        lays, leaves = plan.leaves, plan.treedef.flatten_up_to(grads)
+        # shards: this device's part of the sum (the psum adds the others'); whole leaves are
+        # the same on every device and counted once
+        part = bucket_sq + [sum_of_squares(g) for lay, g in zip(lays, leaves)
+                            if plan.grad_partitioned(lay) and not in_buckets(lay)]
+        whole = [sum_of_squares(g) for lay, g in zip(lays, leaves) if not plan.grad_partitioned(lay)]
+        if part and n > 1:
+            whole.append(jax.lax.psum(sum(part), axis))
+        else:
+            whole += part
+        return grads, loss, sum(whole, f32(0.0))
 
     param_specs = plan.map(lambda lay: lay.data_spec(lay.params_partitioned, axis))
     grad_specs = plan.map(lambda lay: lay.data_spec(plan.grad_partitioned(lay), axis))
@@ -155,7 +185,7 @@ def grads_fn(loss_fn: Callable, plan: ZeroPlan, has_aux: bool = False):
             batch = split_sequence(batch, plan.mesh, axis, seq_n)
         batch_specs = jax.tree_util.tree_map(lambda _: P(axis), batch)
         sm = shard_map(body, plan.mesh, in_specs=(param_specs, batch_specs, P(), P()),
-                       out_specs=(grad_specs, P()), manual_axes={axis})
+                       out_specs=(grad_specs, P()) + ((P(),) if with_sumsq else ()), manual_axes={axis})
         return sm(params, batch, scale, rng)
 
     return run

@@ -52,11 +52,16 @@ class Checked(NamedTuple):
     coef: jax.Array
 
 
-def check_gradients(cfg, scaled_grads, loss, scale=None) -> Checked:
+def check_gradients(cfg, scaled_grads, loss, scale=None, sumsq=None) -> Checked:
     """Unscale (fp16's loss scale), take the global norm, check for inf/nan, apply the skip rule
-    and compute the clipping coefficient (``cfg.gradient_clipping``)."""
+    and compute the clipping coefficient (``cfg.gradient_clipping``). ``sumsq``: the scaled
+    gradients' sum of squares where the engine already has it (stages 1-2 take it from the
+    reduced buckets: one reduction a bucket instead of one a leaf); else it is taken here."""
     grads = scaled_grads if scale is None else jax.tree_util.tree_map(lambda g: g / scale, scaled_grads)
-    norm = global_norm(grads)
+    if sumsq is None:
+        norm = global_norm(grads)
+    else:
+        norm = jnp.sqrt(sumsq) if scale is None else jnp.sqrt(sumsq) / scale
     finite = step_is_finite(norm, loss)
     return Checked(grads, norm, finite, skip_rule(cfg, finite), clip_coefficient(norm, cfg.gradient_clipping))
 

@@ -11,6 +11,8 @@ import pytest
 import zerojax as zj
 from zerojax.config._optimizers import optimizer_from_config
 from zerojax.stages._adam import adam_node, adam_recipe, gated_adam
+from zerojax.stages._gating import gated_gradient
+from zerojax.stages._momentum import gated_momentum, momentum_recipe
 
 SCHEDULE = optax.linear_schedule(1e-2, 1e-3, 5)
 
@@ -72,6 +74,7 @@ def assert_skip_is_exact(gated, recipe, tx):
     params, state = gated(recipe, tx, _params(), _grads(0), tx.init(_params()), jnp.asarray(True))
     bad = jax.tree_util.tree_map(lambda g: g.at[0].set(jnp.nan), _grads(1))
     bad["b"] = bad["b"].at[1].set(jnp.inf)
+    bad["w"] = bad["w"].at[1].set(1e30).at[2].set(-1e19)  # finite, but the first's square is not
     new_p, new_s = jax.jit(lambda *a: gated(recipe, tx, *a))(params, bad, state, jnp.asarray(False))
     for a, b in zip(jax.tree_util.tree_leaves((new_p, new_s)), jax.tree_util.tree_leaves((params, state))):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -129,3 +132,38 @@ def test_compiled_step_copies_no_moment(make_tx):
 
     text = jax.jit(plain, donate_argnums=(0, 1)).lower(params, tx.init(params), batch).compile().as_text()
     assert ours <= _copies_of(text, "256,128")
+
+
+def _selects_on_the_flag(compiled_text) -> int:
+    """Elementwise selects whose condition is one scalar broadcast to every element (the step's
+    flag): the CPU backend's LLVM compiles each loop holding one twice (unswitching)."""
+    flags = set(re.findall(r"(%[\w.\-]+) = pred\[[0-9,]+\]\S* broadcast\(", compiled_text))
+    firsts = re.findall(r"= \w+\[[0-9,]+\]\S* select\((%[\w.\-]+),", compiled_text)
+    return sum(f in flags for f in firsts)
+
+
+@pytest.mark.parametrize("make_tx,gated", [(lambda: optax.adamw(1e-3, weight_decay=0.01), gated_adam),
+                                           (lambda: optax.sgd(1e-3, momentum=0.9), gated_momentum)],
+                         ids=["adamw", "sgd-momentum"])
+def test_gated_pass_has_no_select_on_the_flag(make_tx, gated):
+    """The skip is in the coefficients and in which gradient elements are used, decided per
+    element: no select on the step's flag over whole arrays (it doubled each moment kernel's code)."""
+    tx = make_tx()
+    recipe = (adam_recipe if gated is gated_adam else momentum_recipe)(tx)
+    params = {"w": jnp.zeros((64, 32)), "b": jnp.zeros((32,))}
+    text = jax.jit(lambda p, g, s, a: gated(recipe, tx, p, g, s, a)).lower(
+        params, params, tx.init(params), jnp.asarray(True)).compile().as_text()
+    assert _selects_on_the_flag(text) == 0
+
+
+def test_gated_gradient_keeps_finite_values_exactly_and_known_flags_as_given():
+    g = jnp.asarray([1.5, -2.0 ** 63, jnp.nan, jnp.inf, -jnp.inf, 1e30, 3e-39], jnp.float32)
+    traced = np.asarray(jax.jit(gated_gradient)(jnp.asarray(False), g))
+    np.testing.assert_array_equal(traced, [1.5, -2.0 ** 63, 0, 0, 0, 0, np.float32(3e-39)])
+    # a flag known while tracing (bf16 without the overflow check: applied, inf and nan included)
+    np.testing.assert_array_equal(np.asarray(jax.jit(lambda g: gated_gradient(True, g))(g)), np.asarray(g))
+    np.testing.assert_array_equal(np.asarray(jax.jit(lambda g: gated_gradient(False, g))(g)), np.zeros(7))
+    # other dtypes: zeros where the flag is false, as a select
+    h = g.astype(jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(jax.jit(gated_gradient)(jnp.asarray(False), h), np.float32), np.zeros(7))
+

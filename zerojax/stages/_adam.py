@@ -18,6 +18,7 @@ extreme ones included, before it is used; anything else keeps the general select
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -25,14 +26,15 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from zerojax._compat import Tracer
 from zerojax.stages._gating import (
     find_node,
+    gated_gradient,
     per_transformation,
     replace_node,
     scalar_step,
     select_scalars,
     unzip_leaves,
-    zero_unless,
 )
 from zerojax.update._recognize import recognize_with_pass
 
@@ -59,11 +61,12 @@ class AdamRecipe:
     constants: Optional[dict] = None
 
 
-@jax.jit
-def _adam_leaf(p, g, m, v, c):
-    """One leaf's gated AdamW update, ``c`` its step's scalars. Jitted so that it is traced once
-    per leaf shape and dtype: a model's layers share their shapes, and the step's trace inlines it."""
-    g = zero_unless(c["apply"], g)
+@functools.partial(jax.jit, static_argnames="known")
+def _adam_leaf(p, g, m, v, c, known=None):
+    """One leaf's gated AdamW update, ``c`` its step's scalars (``known``: the step's flag when
+    it is known while tracing). Jitted so that it is traced once per leaf shape and dtype: a
+    model's layers share their shapes, and the step's trace inlines it."""
+    g = gated_gradient(c["apply"] if known is None else known, g)
     m = c["take1"] * g + c["keep1"] * m
     v = c["take2"] * (g ** 2) + c["keep2"] * v
     u = (m / c["bc1"].astype(m.dtype)) / (jnp.sqrt(v / c["bc2"].astype(v.dtype) + c["eps_root"]) + c["eps"])
@@ -91,7 +94,9 @@ def gated_adam(recipe: AdamRecipe, tx, params, grads, opt_state, apply):
 
     c = dict(apply=apply, take1=take1, keep1=keep1, take2=take2, keep2=keep2, step=step, bc1=bc1, bc2=bc2,
              eps=eps, eps_root=eps_root, wd=wd)
-    out = jax.tree_util.tree_map(lambda p, g, m, v: _adam_leaf(p, g, m, v, c), params, grads, node.mu, node.nu)
+    known = None if isinstance(apply, Tracer) else bool(apply)
+    out = jax.tree_util.tree_map(lambda p, g, m, v: _adam_leaf(p, g, m, v, c, known=known), params, grads, node.mu,
+                                 node.nu)
     new_p, mu, nu = (unzip_leaves(params, out, i) for i in range(3))
     # the scalars (counts, hyperparameters) advance only on an applied step
     scalars = select_scalars(apply, after, before)

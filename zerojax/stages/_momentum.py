@@ -10,6 +10,7 @@ general select path.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -17,14 +18,15 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from zerojax._compat import Tracer
 from zerojax.stages._gating import (
     find_node,
+    gated_gradient,
     per_transformation,
     replace_node,
     scalar_step,
     select_scalars,
     unzip_leaves,
-    zero_unless,
 )
 from zerojax.update._recognize import recognize_with_pass
 
@@ -43,10 +45,11 @@ class MomentumRecipe:
     constants: Optional[dict] = None
 
 
-@jax.jit
-def _momentum_leaf(p, g, t, c):
-    """One leaf's gated update, ``c`` its step's scalars; traced once per leaf shape and dtype."""
-    t = zero_unless(c["apply"], g) + c["keep"] * t
+@functools.partial(jax.jit, static_argnames="known")
+def _momentum_leaf(p, g, t, c, known=None):
+    """One leaf's gated update, ``c`` its step's scalars (``known``: the step's flag when it is
+    known while tracing); traced once per leaf shape and dtype."""
+    t = c["take"] * gated_gradient(c["apply"] if known is None else known, g) + c["keep"] * t
     return (p + c["step"] * t).astype(p.dtype), t
 
 
@@ -60,8 +63,11 @@ def gated_momentum(recipe: MomentumRecipe, tx, params, grads, opt_state, apply):
     keep = jnp.where(apply, hp["momentum"], jnp.float32(1.0))
     step = jnp.where(apply, -hp["learning_rate"], 0.0)
 
-    c = dict(apply=apply, keep=keep, step=step)
-    out = jax.tree_util.tree_map(lambda p, g, t: _momentum_leaf(p, g, t, c), params, grads, node.trace)
+    take = jnp.where(apply, jnp.float32(1.0), 0.0)  # 1 * g is g exactly
+
+    c = dict(apply=apply, take=take, keep=keep, step=step)
+    known = None if isinstance(apply, Tracer) else bool(apply)
+    out = jax.tree_util.tree_map(lambda p, g, t: _momentum_leaf(p, g, t, c, known=known), params, grads, node.trace)
     new_p, trace = (unzip_leaves(params, out, i) for i in range(2))
     scalars = select_scalars(apply, after, before)
     return new_p, replace_node(scalars, _node(scalars)._replace(trace=trace))

@@ -65,3 +65,21 @@ def test_a_new_batch_shape_compiles_once_more_and_only_once():
             state, _ = step(state, big)
         jax.block_until_ready(state)
     assert len([n for n in seen if "train_step" in n]) == 1, seen
+
+
+@pytest.mark.parametrize("stage", [0, 1, 3])
+def test_building_a_step_compiles_only_the_optimizer_probes(stage):
+    """make_train_step compiles nothing but optimizer recognition's two probe programs (run and
+    both) for an optimizer it has not seen: no program for a constant made eagerly on a device
+    (each is a compile in every new process, before the step's own)."""
+    from zerojax.stages import _adam
+    from zerojax.update import _recognize
+
+    state = fresh(stage)
+    jax.clear_caches()
+    _recognize._cache.cache_clear()
+    _adam.adam_recipe.cache_clear()
+    with count_compiles() as seen:
+        zj.make_train_step(loss_fn, state)
+    assert seen, "nothing compiled: the recognition memory was not cleared, the count cannot fail"
+    assert set(seen) <= {"jit(run)", "jit(both)", "jit(<lambda>)"}, seen

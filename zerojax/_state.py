@@ -62,7 +62,7 @@ def _replicated(plan: ZeroPlan) -> NamedSharding:
 def state_shardings(plan: ZeroPlan, tx) -> TrainState:
     """The sharding of every leaf of a TrainState for ``plan`` and ``tx`` (a TrainState of shardings)."""
     rep = _replicated(plan)
-    scaler = jax.tree_util.tree_map(lambda _: rep, plan.config.loss_scaler.init())
+    scaler = jax.tree_util.tree_map(lambda _: rep, jax.eval_shape(plan.config.loss_scaler.init))
     outside = plan.optimizer_state_outside  # the step keeps the master and moments itself
     return TrainState(
         step=rep,

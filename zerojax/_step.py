@@ -18,6 +18,7 @@ from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from zerojax._contract import METRIC_KEYS, Step, StepBase
@@ -55,7 +56,7 @@ def _check_extra_args(state: TrainState) -> None:
     if not isinstance(tx, optax.GradientTransformationExtraArgs):
         return
     plan = state.plan
-    extra = {"value": jnp.float32(0.0)} if takes_value(tx) else {}
+    extra = {"value": np.float32(0.0)} if takes_value(tx) else {}  # numpy: nothing compiled to read a signature
 
     def probe(params):
         jax.eval_shape(lambda p: tx.update(p, tx.init(p), p, **extra), params)

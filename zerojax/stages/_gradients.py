@@ -23,6 +23,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -106,7 +107,7 @@ def grads_fn(loss_fn: Callable, plan: ZeroPlan, has_aux: bool = False, with_sums
             return C.local_shape(lay, n)
         return lay.shape
 
-    denom = f32(n * gas)
+    denom = np.float32(n * gas)  # numpy: a constant of the trace, nothing made on a device now
 
     def body(params, batch, scale, rng):
         # the mean over devices and micro-batches is folded into the loss's scale, so no pass

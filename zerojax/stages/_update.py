@@ -12,6 +12,7 @@ import inspect
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 import zerojax._placement as placement
@@ -36,7 +37,8 @@ def _update_accepts(tx, **extra) -> bool:
 @functools.lru_cache(maxsize=64)
 def _opaque_takes_value(tx) -> bool:
     # refused only where value= is what breaks the update (else make_train_step's check reports it)
-    return _update_accepts(tx, value=jnp.float32(0.0)) or not _update_accepts(tx)
+    # a numpy scalar: nothing is created (or compiled) on a device to read a signature
+    return _update_accepts(tx, value=np.float32(0.0)) or not _update_accepts(tx)
 
 
 def takes_value(tx) -> bool:

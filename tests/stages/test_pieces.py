@@ -65,3 +65,13 @@ def test_the_stage1_step_compiles_fewer_kernels_than_with_constant_offsets(monke
     monkeypatch.setattr(C, "pieces", constant_slices)
     own = stage1_kernels()
     assert len(shared) < 0.85 * len(own), (len(shared), len(own))
+
+
+def test_no_kernel_computes_the_offsets_on_the_cpu():
+    """On the CPU backend the offsets are a conditional's outputs (buffers the slices read), not
+    one-scalar kernels, one per piece, as behind a barrier alone."""
+    sizes = [16, 16, 8, 24, 16]
+    text = jax.jit(lambda flat, other: [(p * 2.0, p + other[:p.size]) for p in pieces(flat, sizes)]).lower(
+        jnp.ones(80), jnp.ones(80)).compile().as_text()
+    assert re.findall(r"= s32\[\] fusion\(\)", text) == []
+    assert len(re.findall(r" conditional\(", text)) == 1

@@ -170,14 +170,29 @@ def pieces(flat, sizes, axis: int = 0):
     so is every fusion it joins (each leaf's optimizer update), so the compile grew with the
     number of leaves rather than with the number of distinct leaf shapes: the CPU backend's
     code generation was most of stages 1-3's excess first-step time over plain jit's. Now
-    pieces of one shape share their kernels; each offset costs one scalar kernel. GPT, 2
-    layers, stage 1: 201 kernels to compile -> 152 (stage 0: 111); the step's time and
-    memory are unchanged (benchmarks/compile_time.py --breakdown)."""
+    pieces of one shape share their kernels (GPT, 2 layers, stage 1: 201 kernels to compile ->
+    152, stage 0: 111; the step's time and memory unchanged), and on the CPU backend no kernel
+    computes the offsets either (:func:`_offsets`)."""
     starts = [0]
     for size in sizes[:-1]:
         starts.append(starts[-1] + size)
-    offsets = jax.lax.optimization_barrier([jnp.int32(start) for start in starts])
-    return [jax.lax.dynamic_slice_in_dim(flat, start, size, axis=axis) for start, size in zip(offsets, sizes)]
+    return [jax.lax.dynamic_slice_in_dim(flat, start, size, axis=axis) for start, size in zip(_offsets(starts), sizes)]
+
+
+def _offsets(starts):
+    """``starts`` as traced int32 scalars the compiler cannot fold into the slices that read them.
+
+    Behind an optimization barrier each offset is still computed by a one-scalar kernel of its
+    own on the CPU backend, which never fuses an index computation into the slice reading it:
+    one kernel per leaf, about 9 ms of compile each (a 4-layer GPT's stage-1 step: 52 of its 179
+    kernels). There the offsets are instead the outputs of one conditional whose predicate the
+    barrier hides: outputs of a non-kernel op, buffers the slices read, so no kernel computes
+    them (179 -> 128 kernels at 4 layers, 251 -> 152 at 8; DDP 112 and 136). Other backends
+    keep the barrier (a conditional there waits on its predicate)."""
+    values = lambda: [jnp.int32(start) for start in starts]  # noqa: E731
+    if jax.default_backend() != "cpu":
+        return jax.lax.optimization_barrier(values())
+    return jax.lax.cond(jax.lax.optimization_barrier(jnp.asarray(True)), values, values)
 
 
 def bucketed_reduce_scatter(grads, lays, axis_name: str, n: int, bucket_size: int, sumsq: list | None = None):

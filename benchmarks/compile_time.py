@@ -213,9 +213,9 @@ def first_step_table(args) -> dict:
                   flush=True)
             print(f"{'':>4} {'cpu':>10}  " + "  ".join(f"{k} {v:6.2f} s" for k, v in cpu.items()) + "   " +
                   "  ".join(f"{k}/{BASELINE[k]} {v:.2f}" for k, v in cpu_ratios.items()), flush=True)
-        for label, table in (("seconds", seconds), ("cpu seconds", cpu_seconds)):
+        for label, key, table in (("seconds", "slope", seconds), ("cpu seconds", "cpu-slope", cpu_seconds)):
             slopes = {k: slope(args.layers, v) for k, v in table.items()}
-            results[f"{kind}-slope" if table is seconds else f"{kind}-cpu-slope"] = slopes
+            results[f"{kind}-{key}"] = slopes
             print(f"{kind:>4} {label} per added layer  " + "  ".join(f"{k} {v:.3f}" for k, v in slopes.items()) +
                   "   " + "  ".join(f"{k}/{BASELINE[k]} {slopes[k] / slopes[BASELINE[k]]:.2f}"
                                     for k in BASELINE if k in slopes and BASELINE[k] in slopes), flush=True)

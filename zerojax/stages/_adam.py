@@ -26,10 +26,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from zerojax._compat import Tracer
 from zerojax.stages._gating import (
     find_node,
     gated_gradient,
+    known_flag,
     per_transformation,
     replace_node,
     scalar_step,
@@ -94,7 +94,7 @@ def gated_adam(recipe: AdamRecipe, tx, params, grads, opt_state, apply):
 
     c = dict(apply=apply, take1=take1, keep1=keep1, take2=take2, keep2=keep2, step=step, bc1=bc1, bc2=bc2,
              eps=eps, eps_root=eps_root, wd=wd)
-    known = None if isinstance(apply, Tracer) else bool(apply)
+    known = known_flag(apply)
     out = jax.tree_util.tree_map(lambda p, g, m, v: _adam_leaf(p, g, m, v, c, known=known), params, grads, node.mu,
                                  node.nu)
     new_p, mu, nu = (unzip_leaves(params, out, i) for i in range(3))

@@ -15,7 +15,7 @@ from zerojax.update._recognize import per_transformation  # noqa: F401 - remembe
 from zerojax.update._recognize import with_node as replace_node  # one home for the chain's first state
 
 __all__ = ["find_node", "per_transformation", "replace_node", "scalar_step",
-           "gated_gradient", "select_scalars", "unzip_leaves", "zero_unless"]
+           "gated_gradient", "known_flag", "select_scalars", "unzip_leaves", "zero_unless"]
 
 
 def _is_empty(x) -> bool:
@@ -69,9 +69,20 @@ def select_scalars(apply, after, before):
     return jax.tree_util.tree_map(lambda new, old: jnp.where(apply, same_memory_space(new, old), old), after, before)
 
 
+def _zero(g):
+    """A zero of ``g``'s dtype, typed in ``g``'s memory space (on the host too)."""
+    return same_memory_space(jnp.zeros((), g.dtype), g)
+
+
 def zero_unless(apply, g):
-    """``g``, or zeros where ``apply`` is false (typed in ``g``'s memory space: on the host too)."""
-    return jnp.where(apply, g, same_memory_space(jnp.zeros((), g.dtype), g))
+    """``g``, or zeros where ``apply`` is false."""
+    return jnp.where(apply, g, _zero(g))
+
+
+def known_flag(apply):
+    """The step's flag as a Python bool where it is known while tracing (a pass's jitted leaf
+    takes it as a static argument, since inside that jit every argument is traced), else None."""
+    return None if isinstance(apply, Tracer) else bool(apply)
 
 
 # |g| below this: g * g is a finite float32 (2**64 squared is 2**128, past float32's largest)
@@ -90,7 +101,7 @@ def gated_gradient(apply, g):
     every step, inf and nan included), keep :func:`zero_unless`."""
     if g.dtype != jnp.float32 or not isinstance(apply, Tracer):
         return zero_unless(apply, g)
-    return jnp.where(jnp.abs(g) < _SQUARE_FINITE, g, same_memory_space(jnp.zeros((), g.dtype), g))
+    return jnp.where(jnp.abs(g) < _SQUARE_FINITE, g, _zero(g))
 
 
 def unzip_leaves(like, out, i):

@@ -18,6 +18,7 @@ own partition; stage 3 always reduce-scatters, as in DeepSpeed (ZeroPlan warns).
 """
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Callable
 
@@ -90,11 +91,9 @@ def grads_fn(loss_fn: Callable, plan: ZeroPlan, has_aux: bool = False, with_sums
         a leaf still split over another axis (sequence parallelism) is only padded to its storage."""
         if n == 1:
             return plan.map(lambda lay, x: placement.pad(x, lay) if select(lay) else x, tree)
-        if sumsq is not None and bucket_sumsq:
-            return C.on_selected(plan, tree, select, lambda lays, xs: C.bucketed_reduce_scatter(
-                xs, lays, axis, n, int(cfg.reduce_bucket_size), sumsq))
-        return C.on_selected(plan, tree, select, lambda lays, xs: scatter(
-            xs, lays, axis, n, int(cfg.reduce_bucket_size)))
+        reduce = functools.partial(C.bucketed_reduce_scatter, sumsq=sumsq) if sumsq is not None and bucket_sumsq \
+            else scatter
+        return C.on_selected(plan, tree, select, lambda lays, xs: reduce(xs, lays, axis, n, int(cfg.reduce_bucket_size)))
 
     def all_reduce_some(tree, select):
         if n == 1:

@@ -18,10 +18,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from zerojax._compat import Tracer
 from zerojax.stages._gating import (
     find_node,
     gated_gradient,
+    known_flag,
     per_transformation,
     replace_node,
     scalar_step,
@@ -66,7 +66,7 @@ def gated_momentum(recipe: MomentumRecipe, tx, params, grads, opt_state, apply):
     take = jnp.where(apply, jnp.float32(1.0), 0.0)  # 1 * g is g exactly
 
     c = dict(apply=apply, take=take, keep=keep, step=step)
-    known = None if isinstance(apply, Tracer) else bool(apply)
+    known = known_flag(apply)
     out = jax.tree_util.tree_map(lambda p, g, t: _momentum_leaf(p, g, t, c, known=known), params, grads, node.trace)
     new_p, trace = (unzip_leaves(params, out, i) for i in range(2))
     scalars = select_scalars(apply, after, before)

@@ -36,7 +36,7 @@ def test_sum_of_squares_equals_the_returned_gradients(stage, gas, extra):
     # and the step's reported norm is that of the unscaled gradients, as plain optax computes it
     step = zj.make_train_step(loss_fn, state, donate=False)
     _, metrics = step(state, batch)
-    plain = optax.global_norm(jax.grad(loss_fn)(init_params(jax.random.PRNGKey(0)), batch))
+    plain = optax.tree.norm(jax.grad(loss_fn)(init_params(jax.random.PRNGKey(0)), batch))
     np.testing.assert_allclose(float(metrics["grad_norm"]), float(plain), rtol=1e-5)
 
 

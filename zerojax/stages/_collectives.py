@@ -40,12 +40,21 @@ def reduce_scatter(g, lay: LeafLayout, axis_name: str):
     return jnp.moveaxis(jax.lax.psum_scatter(g, axis_name, scatter_dimension=0, tiled=True), 0, lay.axis)
 
 
-def local_slice(x, lay: LeafLayout, axis_name: str, n: int):
-    """Whole leaf (same on every device) -> this device's shard; no communication."""
+def local_slice(x, lay: LeafLayout, axis_name: str, n: int, index=None):
+    """Whole leaf (same on every device) -> this device's shard; no communication. ``index``:
+    this device's ``axis_index`` where the caller has it already (one for many leaves, not
+    one device-id computation each)."""
     x = placement.pad(x, lay)
     chunk = x.shape[lay.axis] // n
-    start = jax.lax.axis_index(axis_name) * chunk
-    return jax.lax.dynamic_slice_in_dim(x, start, chunk, axis=lay.axis)
+    index = jax.lax.axis_index(axis_name) if index is None else index
+    # the start is never negative: no wrap-around arithmetic for the compiler to see
+    return jax.lax.dynamic_slice_in_dim(x, index * chunk, chunk, axis=lay.axis, allow_negative_indices=False)
+
+
+def local_slices(xs, lays, axis_name: str, n: int):
+    """:func:`local_slice` of each of ``xs``, from one ``axis_index``."""
+    index = jax.lax.axis_index(axis_name)
+    return [local_slice(x, lay, axis_name, n, index) for x, lay in zip(xs, lays)]
 
 
 def on_selected(plan: ZeroPlan, tree, select, fn):
@@ -89,7 +98,7 @@ def split_tree(plan: ZeroPlan, tree, select):
     ``select(lay)`` picks; others pass through. Purely local: no communication, and unlike a
     sharding constraint it leaves the caller's whole arrays unconstrained."""
     axis, n = plan.data_axis, plan.n
-    return _map_selected(plan, tree, select, lambda lays, xs: [local_slice(x, lay, axis, n) for lay, x in zip(lays, xs)],
+    return _map_selected(plan, tree, select, lambda lays, xs: local_slices(xs, lays, axis, n),
                          False, True)
 
 
@@ -134,7 +143,10 @@ def rows(x, lay: LeafLayout, n: int):
     before the split one are exchanged with the device axis: contiguous runs are moved, no
     element transpose."""
     before, inner = _split_view(lay, n)
-    return jnp.swapaxes(placement.pad(x, lay).reshape(before, n, inner), 0, 1).reshape(n, -1)
+    x = placement.pad(x, lay)
+    if before == 1:  # split along its first dim (with more than one element): rows already
+        return x.reshape(n, -1)
+    return jnp.swapaxes(x.reshape(before, n, inner), 0, 1).reshape(n, -1)
 
 
 def shard_row(shard, lay: LeafLayout):
@@ -151,6 +163,8 @@ def unrows(r, lay: LeafLayout):
     """All devices' rows (n, chunk) -> the whole (unpadded) leaf."""
     n = r.shape[0]
     before, inner = _split_view(lay, n)
+    if before == 1:
+        return placement.unpad(r.reshape(lay.storage_shape), lay)
     return placement.unpad(jnp.swapaxes(r.reshape(n, before, inner), 0, 1).reshape(lay.storage_shape), lay)
 
 
@@ -176,7 +190,8 @@ def pieces(flat, sizes, axis: int = 0):
     starts = [0]
     for size in sizes[:-1]:
         starts.append(starts[-1] + size)
-    return [jax.lax.dynamic_slice_in_dim(flat, start, size, axis=axis) for start, size in zip(_offsets(starts), sizes)]
+    return [jax.lax.dynamic_slice_in_dim(flat, start, size, axis=axis, allow_negative_indices=False)
+            for start, size in zip(_offsets(starts), sizes)]
 
 
 def _offsets(starts):
@@ -221,7 +236,7 @@ def bucketed_all_reduce_slice(grads, lays, axis_name: str, n: int, bucket_size: 
     :func:`bucketed_reduce_scatter` but through one all-reduce per bucket of at most
     ``bucket_size`` elements, each device then keeping its own partition."""
     summed = bucketed_all_reduce(grads, lays, axis_name, bucket_size)
-    return [local_slice(x, lay, axis_name, n) for x, lay in zip(summed, lays)]
+    return local_slices(summed, lays, axis_name, n)
 
 
 def bucketed_gather(shards, lays, axis_name: str, n: int, bucket_size: int):

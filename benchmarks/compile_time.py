@@ -214,6 +214,8 @@ def first_step_table(args) -> dict:
             print(f"{'':>4} {'cpu':>10}  " + "  ".join(f"{k} {v:6.2f} s" for k, v in cpu.items()) + "   " +
                   "  ".join(f"{k}/{BASELINE[k]} {v:.2f}" for k, v in cpu_ratios.items()), flush=True)
         for label, key, table in (("seconds", "slope", seconds), ("cpu seconds", "cpu-slope", cpu_seconds)):
+            if len(args.layers) < 2:  # one layer count: no slope to fit
+                break
             slopes = {k: slope(args.layers, v) for k, v in table.items()}
             results[f"{kind}-{key}"] = slopes
             print(f"{kind:>4} {label} per added layer  " + "  ".join(f"{k} {v:.3f}" for k, v in slopes.items()) +

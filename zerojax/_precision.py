@@ -105,10 +105,29 @@ def global_norm(tree) -> jax.Array:
     Each leaf's sum of squares is a dot product of the leaf with itself: one read, and no
     squared copy that the compiler could share with an optimizer's own ``g ** 2`` (and then
     keep in memory as a whole-size buffer)."""
-    leaves = jax.tree_util.tree_leaves(tree)
-    if not leaves:
-        return jnp.float32(0.0)
-    return jnp.sqrt(sum(sum_of_squares(x) for x in leaves))
+    return jnp.sqrt(total_sum_of_squares(jax.tree_util.tree_leaves(tree)))
+
+
+# Leaves of fewer elements are summed together (see total_sum_of_squares).
+SMALL_LEAF = 1 << 14
+
+
+def total_sum_of_squares(leaves) -> jax.Array:
+    """The float32 sum of every leaf's squared elements (0 for none; inf or nan if any is).
+
+    Each leaf of at least :data:`SMALL_LEAF` elements is its own :func:`sum_of_squares`; the
+    smaller ones (biases, norm scales) are flattened into one vector first, whose sum is one
+    reduction. A reduction over a small leaf is several kernels for XLA's CPU backend (the
+    squares, then a windowed and a final sum; a large one is a single library kernel), compiled
+    once per small leaf shape, while the one copy of the small leaves costs next to nothing."""
+    leaves = list(leaves)
+    small = [x for x in leaves if x.size < SMALL_LEAF]
+    parts = [sum_of_squares(x) for x in leaves if x.size >= SMALL_LEAF]
+    if len(small) > 1:
+        parts.append(sum_of_squares(jnp.concatenate([jnp.ravel(x.astype(jnp.float32)) for x in small])))
+    else:
+        parts += [sum_of_squares(x) for x in small]
+    return sum(parts, jnp.float32(0.0))
 
 
 def sum_of_squares(x) -> jax.Array:

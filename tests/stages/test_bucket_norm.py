@@ -8,6 +8,7 @@ import optax
 import pytest
 
 import zerojax as zj
+import zerojax._precision as precision
 from tests.helpers import batches, init_params, loss_fn, walk
 from zerojax.stages._gradients import grads_fn
 
@@ -42,7 +43,8 @@ def test_sum_of_squares_equals_the_returned_gradients(stage, gas, extra):
 
 @pytest.mark.parametrize("stage,gas,per_bucket", [(0, 1, False), (1, 1, True), (1, 2, True), (2, 1, True),
                                                   (2, 2, False)])
-def test_norm_is_one_reduction_per_bucket_where_the_gradients_are_reduced_once(stage, gas, per_bucket):
+def test_norm_is_one_reduction_per_bucket_where_the_gradients_are_reduced_once(stage, gas, per_bucket, monkeypatch):
+    monkeypatch.setattr(precision, "SMALL_LEAF", 1)  # no leaf is summed with others: one reduction a leaf
     state = _state(stage, gas, reduce_bucket_size=10**9)  # every partitioned leaf in one bucket
     plan = state.plan
     whole = sum(not plan.grad_partitioned(lay) for lay in plan.leaves)
@@ -52,3 +54,27 @@ def test_norm_is_one_reduction_per_bucket_where_the_gradients_are_reduced_once(s
     jaxpr = jax.make_jaxpr(zj.make_train_step(loss_fn, state).jitted)(state, batch).jaxpr
     assert _scalar_dots(jaxpr) == whole + (1 if per_bucket else parts)
     assert stage > 0 or whole == len(plan.leaves)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_small_leaves_are_summed_as_one_vector(stage):
+    """Leaves below SMALL_LEAF elements (every leaf of this model) share one reduction: stage 0's
+    whole leaves, and stage 3's shards, each summed as one flattened vector."""
+    state = _state(stage)
+    assert all(lay.size < precision.SMALL_LEAF for lay in state.plan.leaves) and len(state.plan.leaves) > 2
+    jaxpr = jax.make_jaxpr(zj.make_train_step(loss_fn, state).jitted)(state, batches(1)[0]).jaxpr
+    whole = any(not state.plan.grad_partitioned(lay) for lay in state.plan.leaves)
+    parts = any(state.plan.grad_partitioned(lay) for lay in state.plan.leaves)
+    assert _scalar_dots(jaxpr) == int(whole) + int(parts)
+
+
+def test_total_sum_of_squares_mixes_large_and_small_leaves():
+    rng = np.random.default_rng(0)
+    leaves = [rng.standard_normal(s).astype(np.float32) for s in
+              [(precision.SMALL_LEAF + 3,), (3, 5), (7,), (2, precision.SMALL_LEAF // 2), ()]]
+    got = jax.jit(precision.total_sum_of_squares)(leaves)
+    want = sum(float(np.sum(np.square(x.astype(np.float64)))) for x in leaves)
+    np.testing.assert_allclose(float(got), want, rtol=1e-6)
+    assert float(jax.jit(precision.total_sum_of_squares)([])) == 0.0
+    leaves[1][2, 3] = np.inf  # inf in a small leaf reaches the total
+    assert not np.isfinite(float(jax.jit(precision.total_sum_of_squares)(leaves)))

@@ -33,7 +33,7 @@ from zerojax._compat import shard_map, to_device_memory
 from zerojax._errors import ConfigError
 from zerojax._mesh import SEQ
 from zerojax._plan import ZeroPlan
-from zerojax._precision import sum_of_squares
+from zerojax._precision import total_sum_of_squares
 from zerojax._remat import config_scope
 from zerojax._ulysses import comm_scope
 from zerojax.stages import _collectives as C
@@ -166,9 +166,10 @@ def grads_fn(loss_fn: Callable, plan: ZeroPlan, has_aux: bool = False, with_sums
         lays, leaves = plan.leaves, plan.treedef.flatten_up_to(grads)
         # shards: this device's part of the sum (the psum adds the others'); whole leaves are
         # the same on every device and counted once
-        part = bucket_sq + [sum_of_squares(g) for lay, g in zip(lays, leaves)
-                            if plan.grad_partitioned(lay) and not in_buckets(lay)]
-        whole = [sum_of_squares(g) for lay, g in zip(lays, leaves) if not plan.grad_partitioned(lay)]
+        per_leaf = [g for lay, g in zip(lays, leaves) if plan.grad_partitioned(lay) and not in_buckets(lay)]
+        part = bucket_sq + ([total_sum_of_squares(per_leaf)] if per_leaf else [])
+        whole_leaves = [g for lay, g in zip(lays, leaves) if not plan.grad_partitioned(lay)]
+        whole = [total_sum_of_squares(whole_leaves)] if whole_leaves else []
         if part and n > 1:
             whole.append(jax.lax.psum(sum(part), axis))
         else:

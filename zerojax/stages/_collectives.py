@@ -40,21 +40,20 @@ def reduce_scatter(g, lay: LeafLayout, axis_name: str):
     return jnp.moveaxis(jax.lax.psum_scatter(g, axis_name, scatter_dimension=0, tiled=True), 0, lay.axis)
 
 
-def local_slice(x, lay: LeafLayout, axis_name: str, n: int, index=None):
-    """Whole leaf (same on every device) -> this device's shard; no communication. ``index``:
-    this device's ``axis_index`` where the caller has it already (one for many leaves, not
-    one device-id computation each)."""
+def local_slice(x, lay: LeafLayout, n: int, index):
+    """Whole leaf (same on every device) -> the shard of the device at ``index`` (its
+    ``axis_index``); no communication."""
     x = placement.pad(x, lay)
     chunk = x.shape[lay.axis] // n
-    index = jax.lax.axis_index(axis_name) if index is None else index
     # the start is never negative: no wrap-around arithmetic for the compiler to see
     return jax.lax.dynamic_slice_in_dim(x, index * chunk, chunk, axis=lay.axis, allow_negative_indices=False)
 
 
 def local_slices(xs, lays, axis_name: str, n: int):
-    """:func:`local_slice` of each of ``xs``, from one ``axis_index``."""
+    """:func:`local_slice` of each of ``xs``, from one ``axis_index`` (not one device-id
+    computation per leaf)."""
     index = jax.lax.axis_index(axis_name)
-    return [local_slice(x, lay, axis_name, n, index) for x, lay in zip(xs, lays)]
+    return [local_slice(x, lay, n, index) for x, lay in zip(xs, lays)]
 
 
 def on_selected(plan: ZeroPlan, tree, select, fn):

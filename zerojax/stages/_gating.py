@@ -99,7 +99,7 @@ def gated_gradient(apply, g):
     moment's loop twice (each gated Adam moment kernel was up to 3.8x the code of plain optax's).
     Other dtypes, and a flag known while tracing (bf16 without the overflow check applies
     every step, inf and nan included), keep :func:`zero_unless`."""
-    if g.dtype != jnp.float32 or not isinstance(apply, Tracer):
+    if g.dtype != jnp.float32 or known_flag(apply) is not None:
         return zero_unless(apply, g)
     return jnp.where(jnp.abs(g) < _SQUARE_FINITE, g, _zero(g))
 

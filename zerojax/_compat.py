@@ -63,9 +63,66 @@ def primitives():
     """The control-flow and call primitives the stage-3 program rewriter looks inside."""
     from jax.extend.core import primitives as p
 
-    jit_p = getattr(p, "jit_p", None) or getattr(p, "pjit_p", None)
-    calls = tuple(x for x in (jit_p, getattr(p, "closed_call_p", None), getattr(p, "core_call_p", None)) if x)
+    calls = tuple(x for x in (_jit_p(), getattr(p, "closed_call_p", None), getattr(p, "core_call_p", None)) if x)
     return {"scan": p.scan_p, "while": p.while_p, "calls": calls}
+
+
+def _jit_p():
+    from jax.extend.core import primitives as p
+
+    return getattr(p, "jit_p", None) or getattr(p, "pjit_p", None)
+
+
+def inlined_call(primitive, params) -> bool:
+    """Whether an equation (its ``primitive`` and ``params``) is a ``jit`` call that JAX inlines where it is staged (``inline=True``, no
+    shardings or layouts of its own): ``jax.numpy``'s functions, kept as calls by
+    :func:`make_jaxpr_keeping_calls`."""
+    return (primitive is _jit_p() and bool(params.get("inline"))
+            and not params.get("compiler_options_kvs")
+            and all(type(s).__name__ == "UnspecifiedValue" for s in params.get("in_shardings", ()))
+            and all(type(s).__name__ == "UnspecifiedValue" for s in params.get("out_shardings", ()))
+            and all(x is None for x in params.get("in_layouts", ()))
+            and all(x is None for x in params.get("out_layouts", ())))
+
+
+def make_jaxpr_keeping_calls(fn, *args):
+    """``jax.make_jaxpr(fn, return_shape=True)(*args)``, except that the inlined ``jit`` calls
+    ``fn`` makes itself (``jax.numpy``'s functions) stay calls in the jaxpr: binding such a call
+    again under a gradient reuses JAX's linearization of its (cached) program, where its inlined
+    primitives would each be linearized anew. Only the calls staged into ``fn``'s own trace are
+    kept: calls inside them, and the programs JAX caches for them, are traced as usual. Where
+    JAX's staging rule for ``jit`` cannot be reached or used, this is plain ``make_jaxpr``."""
+    try:
+        from jax._src import core as _core
+        from jax._src.interpreters import partial_eval as pe
+
+        jit_p = _jit_p()
+        rule = pe.custom_staging_rules[jit_p]
+        current = lambda: _core.trace_ctx.trace  # noqa: E731
+        ref = getattr(_core, "Ref", None)
+    except (ImportError, AttributeError, KeyError):  # pragma: no cover - a JAX without them
+        return jax.make_jaxpr(fn, return_shape=True)(*args)
+    top = []
+
+    def traced(*xs):
+        top.append(current())
+        return fn(*xs)
+
+    def keep(trace, source_info, *xs, **params):
+        consts = getattr(params.get("jaxpr"), "consts", ())
+        refs = ref is not None and any(isinstance(c, ref) for c in consts)  # the rule moves them
+        if top and trace is top[0] and not refs and inlined_call(jit_p, params):
+            return trace.default_process_primitive(jit_p, xs, params, source_info=source_info)
+        return rule(trace, source_info, *xs, **params)
+
+    pe.custom_staging_rules[jit_p] = keep
+    try:
+        return jax.make_jaxpr(traced, return_shape=True)(*args)
+    except Exception:  # a JAX whose staging differs: traced as usual (an error of fn's own recurs)
+        pe.custom_staging_rules[jit_p] = rule
+        return jax.make_jaxpr(fn, return_shape=True)(*args)
+    finally:
+        pe.custom_staging_rules[jit_p] = rule
 
 
 try:  # the tracer type: public in jax.core today, kept reachable if it moves

@@ -8,6 +8,12 @@ over stacked layers the per-layer slice stays lazy and is gathered inside the lo
 nested ``jit`` calls are entered; a ``fori_loop``/``while_loop`` that takes one layer of a
 stacked param with a dynamic slice is handled likewise. Anything else gathers at the use.
 
+The loss is traced with ``jax.numpy``'s calls kept as calls
+(:func:`zerojax._compat.make_jaxpr_keeping_calls`): replayed on plain values, a call is bound as
+it is, and JAX linearizes its (cached) program once for all layers, as in a plain ``jit``
+trace; replayed on a lazy value, its equations are evaluated in line. The step's program is
+the one the inlined trace gives.
+
 Each use site is a custom-VJP function. The backward pass gathers a param again right where
 it is needed (and not at all where the derivative does not read it, e.g. an embedding lookup
 or a bias add), unless the param is kept gathered from its forward use: DeepSpeed's
@@ -54,7 +60,7 @@ from typing import Callable, List, Optional, Sequence
 import jax
 from jax.extend.core import Literal, jaxpr_as_fun
 
-from zerojax._compat import Tracer, primitives
+from zerojax._compat import Tracer, inlined_call, make_jaxpr_keeping_calls, primitives
 from zerojax._plan import LeafLayout, ZeroPlan
 from zerojax.stages._reuse import Fetches, Slicing
 from zerojax.stages._stage3_values import (MARK, Base, Lazy, _anchor, _bind, _chunked_dot, _dims_after,
@@ -109,29 +115,56 @@ class _Interpreter:
         for v, x in zip(jaxpr.invars, args):
             env[v] = x
         order = self._first_use_order(jaxpr, env)
-        for eqn in jaxpr.eqns:
-            invals = [read(v) for v in eqn.invars]
-            if any(isinstance(x, Lazy) for x in invals):
-                outvals = self._lazy_eqn(eqn, invals, order)
-            else:
-                outvals = _bind(eqn, invals)
-            for v, x in zip(eqn.outvars, outvals):
-                env[v] = x
+        self._eval(jaxpr.eqns, env, order)
         outs = [read(v) for v in jaxpr.outvars]
         return [self.materialize(x, None) if isinstance(x, Lazy) else x for x in outs]
 
+    def _eval(self, eqns, env: dict, order: List[Base]) -> None:
+        """``eqns`` evaluated into ``env``. A ``jax.numpy`` call (kept as a call while tracing the
+        loss) on plain values is bound as the call, whose linearization JAX caches; on a lazy
+        value, its equations are evaluated here, in line, as if it had been inlined."""
+
+        def read(v):
+            return v.val if isinstance(v, Literal) else env[v]
+
+        for eqn in eqns:
+            invals = [read(v) for v in eqn.invars]
+            if not any(isinstance(x, Lazy) for x in invals):
+                outvals = _bind(eqn, invals)
+            elif inlined_call(eqn.primitive, eqn.params):
+                closed = eqn.params["jaxpr"]
+                env.update(zip(closed.jaxpr.constvars, closed.consts))
+                env.update(zip(closed.jaxpr.invars, invals))
+                self._eval(closed.jaxpr.eqns, env, order)
+                outvals = [read(v) for v in closed.jaxpr.outvars]
+            else:
+                outvals = self._lazy_eqn(eqn, invals, order)
+            for v, x in zip(eqn.outvars, outvals):
+                env[v] = x
+
     def _first_use_order(self, jaxpr, env) -> List[Base]:
+        """The partitioned params in the order the equations first read them (inside kept
+        ``jax.numpy`` calls too); those read in part join ``partly_read``."""
         order = []
-        for eqn in jaxpr.eqns:
-            in_part = self._reads_in_part(eqn)
-            for v in eqn.invars:
-                if isinstance(v, Literal) or v not in env or not isinstance(env[v], Lazy):
+
+        def walk(eqns, sources):  # sources: the params each lazy input variable holds
+            for eqn in eqns:
+                if inlined_call(eqn.primitive, eqn.params):
+                    inner = eqn.params["jaxpr"].jaxpr
+                    walk(inner.eqns, {i: sources[v] for i, v in zip(inner.invars, eqn.invars)
+                                      if not isinstance(v, Literal) and v in sources})
                     continue
-                for b in env[v].sources:
-                    if all(b is not c for c in order):
-                        order.append(b)
-                    if in_part:
-                        self.partly_read.add(b)
+                in_part = self._reads_in_part(eqn)
+                for v in eqn.invars:
+                    if isinstance(v, Literal) or v not in sources:
+                        continue
+                    for b in sources[v]:
+                        if all(b is not c for c in order):
+                            order.append(b)
+                        if in_part:
+                            self.partly_read.add(b)
+
+        walk(jaxpr.eqns, {v: x.sources for v, x in env.items() if isinstance(x, Lazy)})
         return order
 
     def _reads_in_part(self, eqn) -> bool:
@@ -285,7 +318,7 @@ def gathered_loss(loss_fn: Callable, plan: ZeroPlan, takes_rng: bool):
 
     def loss(shards, mb, key):
         extra = (key,) if takes_rng else ()
-        closed, out_shape = jax.make_jaxpr(loss_fn, return_shape=True)(plan.map(whole, shards), mb, *extra)
+        closed, out_shape = make_jaxpr_keeping_calls(loss_fn, plan.map(whole, shards), mb, *extra)
         interp = _Interpreter(wire, prefetch, Slicing.of(plan.config), int(plan.config.max_reuse_distance),
                               int(plan.config.max_live_parameters))
         lazies = plan.map(lambda lay, x: interp.base(x, lay) if lay.params_partitioned else x, shards)

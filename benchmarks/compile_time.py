@@ -24,6 +24,12 @@ Two more figures, each from its own processes or loop:
 * ``--recompiles``: 20 steps of stage 2 with a checkpoint save every 5, a restore and ``finish()``;
   the backend compiles counted after the first step (goal: 0).
 
+* ``--trace``: instead of the table, the Python trace of each contender's step alone, in this
+  process (least CPU seconds over ``--rounds``, garbage collector paused), the primitives JAX
+  linearizes one by one in it, and the seconds per added layer (goal: stage 3's no steeper than
+  FSDP's). ``--persistence 0`` splits every param of stage 3 (DeepSpeed's
+  ``stage3_param_persistence_threshold``; at d 128 its default keeps each layer's params whole).
+
 * ``--breakdown``: instead of the table, each contender's first step in a fresh process, in its
   phases (building the step, Python trace, lowering, XLA compile, first run), the op counts of the
   optimized module (instructions, fusions, collectives, custom calls) and XLA's slowest passes on
@@ -33,9 +39,12 @@ Two more figures, each from its own processes or loop:
     python benchmarks/compile_time.py --breakdown --layers 4 8 --kinds loop
     python benchmarks/compile_time.py --layers 4 8 --kinds loop
     python benchmarks/compile_time.py --fresh --layers 4 8 --kinds loop --no-cache --no-recompiles
+    python benchmarks/compile_time.py --trace --layers 4 8 16 --kinds loop --contenders fsdp s3 --rounds 5
     python benchmarks/compile_time.py --smoke                # tiny shapes, the loop only: the script runs
 """
 import argparse
+import contextlib
+import gc
 import json
 import os
 import re
@@ -69,7 +78,7 @@ def make_tx():
 class Contender:
     """A state built outside the clock; ``first_step()`` times building the step + its first call."""
 
-    def __init__(self, name, mesh, cfg):
+    def __init__(self, name, mesh, cfg, **zero):
         from vs_plain_jax import Plain, gpt_params
 
         self.name, self.cfg = name, cfg
@@ -79,7 +88,8 @@ class Contender:
             self.plain = Plain(name, mesh, params, self.loss, make_tx)
         else:
             self.plain = None
-            self.state = zj.shard_train_state(params, make_tx(), mesh=mesh, config=zj.ZeroConfig(stage=int(name[1])))
+            self.state = zj.shard_train_state(params, make_tx(), mesh=mesh,
+                                              config=zj.ZeroConfig(stage=int(name[1]), **zero))
         jax.block_until_ready(self.plain.params if self.plain else self.state)
 
     def first_step(self, batch) -> tuple:
@@ -100,6 +110,16 @@ class Contender:
         jax.block_until_ready(value)
         return time.perf_counter() - t, time.process_time() - cpu
 
+
+    def trace(self, batch) -> None:
+        """Build the step and trace it (Python only: no lowering, no compile)."""
+        from vs_plain_jax import plain_step
+
+        if self.plain:
+            p = self.plain
+            plain_step(self.loss, *p.shardings, p.batch_sh, make_tx).trace(p.params, p.opt_state, batch)
+        else:
+            zj.make_train_step(self.loss, self.state).jitted.trace(self.state, batch)
 
     def phases(self, batch) -> dict:
         """The first step in its phases, each timed: building the step (zerojax: make_train_step,
@@ -222,6 +242,80 @@ def first_step_table(args) -> dict:
                   "   " + "  ".join(f"{k}/{BASELINE[k]} {slopes[k] / slopes[BASELINE[k]]:.2f}"
                                     for k in BASELINE if k in slopes and BASELINE[k] in slopes), flush=True)
     return results
+
+
+@contextlib.contextmanager
+def linearized_alone():
+    """Counts the primitives JAX linearizes one by one (tracing each one's JVP rule) inside the
+    block, where a call's cached linearization does not cover them; ``[]`` where this JAX has
+    no such rule to count."""
+    try:
+        from jax._src.interpreters import ad
+
+        rule = ad.fallback_linearize_rule
+    except (ImportError, AttributeError):  # pragma: no cover - a JAX that linearizes differently
+        yield []
+        return
+    seen = []
+
+    def counted(prim, *args, **kwargs):
+        seen.append(prim.name)
+        return rule(prim, *args, **kwargs)
+
+    ad.fallback_linearize_rule = counted
+    try:
+        yield seen
+    finally:
+        ad.fallback_linearize_rule = rule
+
+
+def trace_table(args) -> dict:
+    """The Python trace alone, in this process: each contender's step built and traced
+    ``--rounds`` times at each layer count (interleaved; the garbage collector run before and
+    paused during each trace), in CPU seconds. The least is reported: the trace is the same
+    Python work every time, and what lies above the least is the machine's. Also the primitives
+    linearized one by one (a deterministic count), and the seconds per added layer."""
+    zero = {} if args.persistence is None else {"param_persistence_threshold": args.persistence}
+    mesh = zj.make_mesh()
+    print(f"trace of the step (CPU seconds, least of {args.rounds} interleaved rounds, gc paused), GPT d {args.d}, "
+          f"vocab {args.vocab}" + (f", zerojax param_persistence_threshold {args.persistence}" if zero else ""),
+          flush=True)
+    out = {}
+    for kind in args.kinds:
+        least = {name: [] for name in args.contenders}
+        for layers in args.layers:
+            cfg = GPTConfig(vocab=args.vocab, n_layer=layers, d_model=args.d, n_head=4, seq_len=args.seq,
+                            scan=kind == "scan")
+            batch = batch_for(cfg, args.batch)
+            contenders = {k: Contender(k, mesh, cfg, **zero) for k in args.contenders}
+            times, counts = {k: [] for k in contenders}, {}
+            for r in range(max(args.rounds, 2)):  # the first round warms JAX's caches (not counted)
+                for k in (list(contenders) if r % 2 == 0 else list(contenders)[::-1]):
+                    gc.collect()
+                    gc.disable()
+                    try:
+                        with linearized_alone() as seen:
+                            t = time.process_time()
+                            contenders[k].trace(batch)
+                            spent = time.process_time() - t
+                    finally:
+                        gc.enable()
+                    if r:
+                        times[k].append(spent)
+                        counts[k] = len(seen)
+            del contenders
+            for k in times:
+                least[k].append(min(times[k]))
+            out[f"{kind}-{layers}"] = {"seconds": {k: min(v) for k, v in times.items()}, "linearized_alone": counts}
+            print(f"{kind:>4} {layers:>3} layers  " + "  ".join(f"{k} {min(v):5.2f} s ({counts[k]})" for k, v in times.items()),
+                  flush=True)
+        if len(args.layers) > 1:
+            per = {k: slope(args.layers, v) for k, v in least.items()}
+            out[f"{kind}-slope"] = per
+            print(f"{kind:>4} trace seconds per added layer  " + "  ".join(f"{k} {v:.3f}" for k, v in per.items()) +
+                  "   " + "  ".join(f"{k}/{b} {per[k] / per[b]:.2f}" for k, b in BASELINE.items()
+                                    if k in per and b in per and per[b] > 0), flush=True)
+    return out
 
 
 CHILD = "ZJ_COMPILE_CHILD"
@@ -404,12 +498,20 @@ def main():
     ap.add_argument("--breakdown", action="store_true",
                     help="only the phases of each contender's first step, op counts and XLA's slowest passes")
     ap.add_argument("--top-passes", type=int, default=4, help="passes listed per contender in --breakdown")
+    ap.add_argument("--trace", action="store_true",
+                    help="only the Python trace of each contender's step, in this process (least CPU seconds "
+                         "over --rounds, primitives linearized one by one, seconds per added layer)")
+    ap.add_argument("--persistence", type=int, default=None,
+                    help="zerojax's param_persistence_threshold (default DeepSpeed's 1e5; 0: every param split)")
     args = ap.parse_args()
     if args.smoke:
         args.layers, args.d, args.vocab, args.seq, args.batch, args.rounds = [1, 2], 32, 517, 8, 8, 1
         args.kinds = args.kinds[:1]
     if args.breakdown:
         print(json.dumps({"breakdown": breakdown_table(args)}))
+        return
+    if args.trace:
+        print(json.dumps({"trace": trace_table(args)}))
         return
     print(f"first step (build + trace + lower + compile + run), GPT d {args.d}, vocab {args.vocab}, AdamW fp32, "
           f"batch {args.batch} x {args.seq}, {jax.device_count()} devices, median of {args.rounds} interleaved rounds"

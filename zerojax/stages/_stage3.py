@@ -64,7 +64,8 @@ from zerojax._compat import Tracer, inlined_call, make_jaxpr_keeping_calls, prim
 from zerojax._plan import LeafLayout, ZeroPlan
 from zerojax.stages._reuse import Fetches, Slicing
 from zerojax.stages._stage3_values import (MARK, Base, Lazy, _anchor, _bind, _chunked_dot, _dims_after,
-                                          _gather_together, _inner, _param, _sharded_lookup, _use_site, gather)
+                                          _gather_together, _inner, _param, _sharded_lookup, _use_site, eqn_key, gather,
+                                          lazy_key)
 from zerojax.stages._zeropp import Wire
 
 __all__ = ["gather", "gathered_loss"]
@@ -82,6 +83,8 @@ class _Interpreter:
         # own use sites): their prefetched gathers stay their own, which the compiler drops
         # when nothing reads the whole param
         self.partly_read = set()
+        # the backward derivatives of use sites, one jitted function per structure of site
+        self.programs = {}
 
     def base(self, shard, lay: LeafLayout) -> Lazy:
         return _param(Base(shard, lay, self.wire, self.fetches))
@@ -174,7 +177,7 @@ class _Interpreter:
 
     def materialize(self, x: Lazy, anchor):
         """A lazy value as a plain (differentiable) value, through a use site of its own."""
-        return _use_site(lambda vals: [vals[0]], [x], anchor)[0]
+        return _use_site(lambda vals: [vals[0]], [x], anchor, ("whole",), self.programs)[0]
 
     def _prefetch(self, invals, order: Sequence[Base], anchor):
         bases = [b for x in invals if isinstance(x, Lazy) for b in x.sources]
@@ -223,7 +226,8 @@ class _Interpreter:
                 out = _sharded_lookup(eqn, invals, self.slicing)
                 if out is not None:
                     return out
-            return _use_site(lambda vals: _bind(eqn, vals), invals, anchor)
+            key = eqn_key(eqn)
+            return _use_site(lambda vals: _bind(eqn, vals), invals, anchor, key and ("eqn", key), self.programs)
         # params alone (transpose, cast, reshape...): stay lazy, computed at the use site
         bases = []
         for x in invals:
@@ -237,7 +241,7 @@ class _Interpreter:
                     for x in _invals]
             return _bind(eqn, vals)[0]
 
-        return [Lazy(tuple(bases), fn, _dims_after(eqn, invals))]
+        return [Lazy(tuple(bases), fn, _dims_after(eqn, invals), lazy_key(eqn, invals, bases))]
 
     def _layer_slice(self, eqn, invals) -> Optional[list]:
         """One layer of a stacked param (dynamic_slice of size 1 on dim 0, then squeeze)."""

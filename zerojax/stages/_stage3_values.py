@@ -5,11 +5,13 @@ large param in part (matmuls in slices, sharded embedding lookups) without gathe
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Callable, List, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from zerojax._compat import Tracer, to_device_memory
@@ -28,8 +30,11 @@ def gather(tree):
 
 def _tie(x, anchor):
     """``x`` made to depend on ``anchor`` without changing its value."""
-    if anchor is None:
-        return x
+    return x if anchor is None else _tied(x, anchor)
+
+
+@functools.partial(jax.jit, inline=True)  # a call: traced and linearized once per pair of types
+def _tied(x, anchor):
     a = jnp.ravel(anchor)[0] if anchor.ndim else anchor
     if not jnp.issubdtype(x.dtype, jnp.floating):  # integers (quantized rows): ``0 * a`` would fold
         return jax.lax.optimization_barrier((x, a))[0]
@@ -128,6 +133,9 @@ class Lazy:
     # for one source reached through shape-agnostic ops only (transposes, casts): the value's
     # axis for each of the param's axes, so ``fn`` may be applied to a slice of the param
     dims: Optional[tuple] = None
+    # what ``fn`` computes, as a hashable structure (equal keys: the same computation of the
+    # same-shaped params); None where it cannot be told
+    key: Optional[tuple] = None
 
     @property
     def is_param(self) -> bool:
@@ -140,7 +148,38 @@ def _identity(full):
 
 
 def _param(base: Base) -> Lazy:
-    return Lazy((base,), _identity, tuple(range(len(base.lay.shape))))
+    return Lazy((base,), _identity, tuple(range(len(base.lay.shape))), ("param",))
+
+
+def eqn_key(eqn) -> Optional[tuple]:
+    """An equation's primitive, params and output types, hashable; None where a param is not."""
+    key = (eqn.primitive, tuple(sorted(eqn.params.items())), tuple(v.aval for v in eqn.outvars))
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def value_key(x) -> Optional[tuple]:
+    """A constant folded into an equation (a Python or small numpy value), hashable."""
+    if isinstance(x, (bool, int, float, complex)):
+        return (type(x).__name__, x)
+    if isinstance(x, (np.ndarray, np.generic)) and x.size <= 64:
+        return (x.dtype.str, x.shape, x.tobytes())
+    return None
+
+
+def lazy_key(eqn, invals: list, bases: Sequence[Base]) -> Optional[tuple]:
+    """``Lazy.key`` of ``eqn`` applied to ``invals`` (lazy values over ``bases``, constants)."""
+    parts = [eqn_key(eqn)]
+    for x in invals:
+        if isinstance(x, Lazy):
+            parts.append(None if x.key is None else
+                         (x.key, tuple(next(k for k, b in enumerate(bases) if b is s) for s in x.sources)))
+        else:
+            parts.append(value_key(x))
+    return None if any(p is None for p in parts) else ("eqn",) + tuple(parts)
 
 
 _SHAPE_AGNOSTIC = ("convert_element_type", "copy", "copy_p", "neg", "reduce_precision")
@@ -168,13 +207,23 @@ def _bind(eqn, invals):
     return out if eqn.primitive.multiple_results else [out]
 
 
+# ``stop_gradient`` as a call: JAX linearizes it once per shard type, not at every use site
+_no_gradient = jax.jit(jax.lax.stop_gradient, inline=True)
+
+
 def _is_float(x) -> bool:
     return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)
 
 
-def _use_site(op: Callable[[list], list], invals: list, anchor):
+def _use_site(op: Callable[[list], list], invals: list, anchor, op_key: Optional[tuple] = None,
+              programs: Optional[dict] = None):
     """Apply ``op`` (an equation, as a function of its input values) where some inputs are
-    lazy: gathered once in the forward pass, gathered again in the backward pass."""
+    lazy: gathered once in the forward pass, gathered again in the backward pass.
+
+    ``op_key`` tells what ``op`` computes (hashable; None: unknown). With it, the backward
+    pass's derivative of ``op`` goes through one jitted function per structure of use site,
+    kept in ``programs``: the use sites of a Python loop's layers share it, and JAX linearizes
+    its program once for all of them instead of each primitive at each site anew."""
     bases: List[Base] = []
     for x in invals:
         if isinstance(x, Lazy):
@@ -212,11 +261,21 @@ def _use_site(op: Callable[[list], list], invals: list, anchor):
         ct_anchor = next((c for c in ct if hasattr(c, "dtype") and _is_float(c)), None)
         wholes = [h if k else b.wire.regather(_tie(to_device_memory(s), ct_anchor), b.lay, b.shard.dtype)
                   for h, s, b, k in zip(held, shards, bases, kept())]
-        _, vjp = jax.vjp(lambda f, d: apply(f, d, consts), wholes, diffs)
+        derive = apply if program is None else program
+        _, vjp = jax.vjp(lambda f, d: derive(f, d, consts), wholes, diffs)
         d_fulls, d_diffs = vjp(ct)
         return d_fulls, [None] * len(shards), d_diffs, [None] * len(consts)
 
     site.defvjp(fwd, bwd)
+    program = None
+    if op_key is not None and programs is not None and all(invals[i].key is not None for i in lazy_pos):
+        key = (op_key, len(invals), tuple(lazy_pos), tuple(diff_pos), tuple(const_pos), len(bases),
+               tuple((invals[i].key, tuple(next(k for k, b in enumerate(bases) if b is s)
+                                           for s in invals[i].sources)) for i in lazy_pos))
+        # the first site of a structure lends its ``apply``: an equal key computes the same
+        program = programs.get(key)
+        if program is None:
+            program = programs[key] = jax.jit(apply, inline=True)
     fetches = bases[0].fetches
     fulls = [b.fetch(anchor) for b in bases]
     fetches.used(bases)
@@ -231,7 +290,7 @@ def _use_site(op: Callable[[list], list], invals: list, anchor):
                     b.kept = f
         return decided
 
-    shards = [jax.lax.stop_gradient(b.residual) for b in bases]
+    shards = [_no_gradient(b.residual) for b in bases]
     return site(fulls, shards, [invals[i] for i in diff_pos], [invals[i] for i in const_pos])
 
 

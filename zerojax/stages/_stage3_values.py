@@ -207,6 +207,12 @@ def _bind(eqn, invals):
     return out if eqn.primitive.multiple_results else [out]
 
 
+def _derivative(apply, fulls, diffs, consts, ct):
+    """The cotangents of ``apply(fulls, diffs, consts)``'s ``fulls`` and ``diffs`` for ``ct``."""
+    _, vjp = jax.vjp(lambda f, d: apply(f, d, consts), fulls, diffs)
+    return vjp(ct)
+
+
 # ``stop_gradient`` as a call: JAX linearizes it once per shard type, not at every use site
 _no_gradient = jax.jit(jax.lax.stop_gradient, inline=True)
 
@@ -221,9 +227,9 @@ def _use_site(op: Callable[[list], list], invals: list, anchor, op_key: Optional
     lazy: gathered once in the forward pass, gathered again in the backward pass.
 
     ``op_key`` tells what ``op`` computes (hashable; None: unknown). With it, the backward
-    pass's derivative of ``op`` goes through one jitted function per structure of use site,
-    kept in ``programs``: the use sites of a Python loop's layers share it, and JAX linearizes
-    its program once for all of them instead of each primitive at each site anew."""
+    pass's derivative of ``op`` is one jitted function per structure of use site, kept in
+    ``programs``: the use sites of a Python loop's layers share it, so JAX traces and
+    differentiates it once for all of them instead of each primitive at each site anew."""
     bases: List[Base] = []
     for x in invals:
         if isinstance(x, Lazy):
@@ -261,9 +267,10 @@ def _use_site(op: Callable[[list], list], invals: list, anchor, op_key: Optional
         ct_anchor = next((c for c in ct if hasattr(c, "dtype") and _is_float(c)), None)
         wholes = [h if k else b.wire.regather(_tie(to_device_memory(s), ct_anchor), b.lay, b.shard.dtype)
                   for h, s, b, k in zip(held, shards, bases, kept())]
-        derive = apply if program is None else program
-        _, vjp = jax.vjp(lambda f, d: derive(f, d, consts), wholes, diffs)
-        d_fulls, d_diffs = vjp(ct)
+        if program is not None and all(_is_float(c) for c in ct):
+            d_fulls, d_diffs = program(wholes, diffs, consts, list(ct))
+        else:
+            d_fulls, d_diffs = _derivative(apply, wholes, diffs, consts, ct)
         return d_fulls, [None] * len(shards), d_diffs, [None] * len(consts)
 
     site.defvjp(fwd, bwd)
@@ -275,7 +282,7 @@ def _use_site(op: Callable[[list], list], invals: list, anchor, op_key: Optional
         # the first site of a structure lends its ``apply``: an equal key computes the same
         program = programs.get(key)
         if program is None:
-            program = programs[key] = jax.jit(apply, inline=True)
+            program = programs[key] = jax.jit(functools.partial(_derivative, apply), inline=True)
     fetches = bases[0].fetches
     fulls = [b.fetch(anchor) for b in bases]
     fetches.used(bases)

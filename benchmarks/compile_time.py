@@ -271,10 +271,12 @@ def linearized_alone():
 
 def trace_table(args) -> dict:
     """The Python trace alone, in this process: each contender's step built and traced
-    ``--rounds`` times at each layer count (interleaved; the garbage collector run before and
-    paused during each trace), in CPU seconds. The least is reported: the trace is the same
-    Python work every time, and what lies above the least is the machine's. Also the primitives
-    linearized one by one (a deterministic count), and the seconds per added layer."""
+    ``--rounds`` times at each layer count, every (layer count, contender) pair once a round in
+    alternating order (the garbage collector run before and paused during each trace), in CPU
+    seconds. The least is reported: the trace is the same Python work every time, and what lies
+    above the least is the machine's (a shared machine's speed drifts over minutes, which the
+    interleaving spreads over every cell alike). Also the primitives linearized one by one (a
+    deterministic count), and the seconds per added layer."""
     zero = {} if args.persistence is None else {"param_persistence_threshold": args.persistence}
     mesh = zj.make_mesh()
     print(f"trace of the step (CPU seconds, least of {args.rounds} interleaved rounds, gc paused), GPT d {args.d}, "
@@ -282,35 +284,36 @@ def trace_table(args) -> dict:
           flush=True)
     out = {}
     for kind in args.kinds:
-        least = {name: [] for name in args.contenders}
+        cells = {}
         for layers in args.layers:
             cfg = GPTConfig(vocab=args.vocab, n_layer=layers, d_model=args.d, n_head=4, seq_len=args.seq,
                             scan=kind == "scan")
-            batch = batch_for(cfg, args.batch)
-            contenders = {k: Contender(k, mesh, cfg, **zero) for k in args.contenders}
-            times, counts = {k: [] for k in contenders}, {}
-            for r in range(max(args.rounds, 2)):  # the first round warms JAX's caches (not counted)
-                for k in (list(contenders) if r % 2 == 0 else list(contenders)[::-1]):
-                    gc.collect()
-                    gc.disable()
-                    try:
-                        with linearized_alone() as seen:
-                            t = time.process_time()
-                            contenders[k].trace(batch)
-                            spent = time.process_time() - t
-                    finally:
-                        gc.enable()
-                    if r:
-                        times[k].append(spent)
-                        counts[k] = len(seen)
-            del contenders
-            for k in times:
-                least[k].append(min(times[k]))
-            out[f"{kind}-{layers}"] = {"seconds": {k: min(v) for k, v in times.items()}, "linearized_alone": counts}
-            print(f"{kind:>4} {layers:>3} layers  " + "  ".join(f"{k} {min(v):5.2f} s ({counts[k]})" for k, v in times.items()),
-                  flush=True)
+            for k in args.contenders:
+                cells[(layers, k)] = (Contender(k, mesh, cfg, **zero), batch_for(cfg, args.batch))
+        times, counts = {c: [] for c in cells}, {}
+        for r in range(max(args.rounds, 2) + 1):  # the first round warms JAX's caches (not counted)
+            for c in (list(cells) if r % 2 == 0 else list(cells)[::-1]):
+                contender, batch = cells[c]
+                gc.collect()
+                gc.disable()
+                try:
+                    with linearized_alone() as seen:
+                        t = time.process_time()
+                        contender.trace(batch)
+                        spent = time.process_time() - t
+                finally:
+                    gc.enable()
+                if r:
+                    times[c].append(spent)
+                    counts[c] = len(seen)
+        del cells
+        for layers in args.layers:
+            out[f"{kind}-{layers}"] = {"seconds": {k: min(times[(layers, k)]) for k in args.contenders},
+                                       "linearized_alone": {k: counts[(layers, k)] for k in args.contenders}}
+            print(f"{kind:>4} {layers:>3} layers  " + "  ".join(
+                f"{k} {min(times[(layers, k)]):5.2f} s ({counts[(layers, k)]})" for k in args.contenders), flush=True)
         if len(args.layers) > 1:
-            per = {k: slope(args.layers, v) for k, v in least.items()}
+            per = {k: slope(args.layers, [min(times[(n, k)]) for n in args.layers]) for k in args.contenders}
             out[f"{kind}-slope"] = per
             print(f"{kind:>4} trace seconds per added layer  " + "  ".join(f"{k} {v:.3f}" for k, v in per.items()) +
                   "   " + "  ".join(f"{k}/{b} {per[k] / per[b]:.2f}" for k, b in BASELINE.items()

@@ -83,7 +83,7 @@ class _Interpreter:
         # own use sites): their prefetched gathers stay their own, which the compiler drops
         # when nothing reads the whole param
         self.partly_read = set()
-        # the backward derivatives of use sites, one jitted function per structure of site
+        # the use sites' backward derivatives, one jitted function per structure of site
         self.programs = {}
 
     def base(self, shard, lay: LeafLayout) -> Lazy:

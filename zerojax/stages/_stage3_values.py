@@ -82,7 +82,8 @@ class Base:
             # the gather's transpose is the gradient reduction: all use sites' cotangents are
             # summed first, so a tied param is reduced once
             # an offloaded shard comes from host memory just before its gather
-            self.full, self.secondary = self.wire.gather(_tie(to_device_memory(self.shard), anchor), self.lay)
+            self.full, self.secondary = _shared(_one_gather, self.wire, self.lay)(
+                _tie(to_device_memory(self.shard), anchor))
         return self.full
 
     def fetch(self, anchor):
@@ -105,7 +106,37 @@ def _gather_together(bases: Sequence[Base], anchor) -> None:
         for b in bases:
             b.gather_forward(anchor)
         return
-    lays = [b.lay for b in bases]
+    fulls = _shared(_bucket_gather, wire, *[b.lay for b in bases])(
+        [_tie(to_device_memory(b.shard), anchor) for b in bases])
+    for b, full in zip(bases, fulls):
+        b.full = full
+        if wire.hpz:
+            b.secondary = wire.secondary_of(full, b.lay)
+
+
+def _shared(make: Callable, wire: Wire, *lays: LeafLayout) -> Callable:
+    """``make(wire, *lays)``, a function of the params' shards, as one inlined ``jit`` per
+    wire and layouts (without their names): a Python loop's layers share it, so JAX traces and
+    differentiates it once, not at every layer."""
+    try:
+        return _shared_jit(make, wire, *[dataclasses.replace(lay, path="") for lay in lays])
+    except TypeError:  # a layout that cannot be hashed: the function itself
+        return make(wire, *lays)
+
+
+@functools.lru_cache(maxsize=4096)
+def _shared_jit(make: Callable, wire: Wire, *lays: LeafLayout) -> Callable:
+    return jax.jit(make(wire, *lays), inline=True)
+
+
+def _one_gather(wire: Wire, lay: LeafLayout) -> Callable:
+    """A param's shard gathered whole (and its hpZ secondary partition)."""
+    return lambda shard: wire.gather(shard, lay)
+
+
+def _bucket_gather(wire: Wire, *lays: LeafLayout) -> Callable:
+    """The shards of params with layouts ``lays`` gathered as one all-gather, laid end to end;
+    their cotangents reduce-scattered as one."""
 
     # the reduce-scatter written out: as the transpose of the slices of one gathered buffer,
     # each param's cotangent would be padded to the whole buffer and summed
@@ -117,11 +148,7 @@ def _gather_together(bases: Sequence[Base], anchor) -> None:
         return (C.bucketed_reduce_scatter(list(cts), lays, wire.axis_name, wire.n, math.inf),)
 
     gathered.defvjp(lambda shards: (gathered(shards), None), reduced)
-    fulls = gathered([_tie(to_device_memory(b.shard), anchor) for b in bases])
-    for b, full in zip(bases, fulls):
-        b.full = full
-        if wire.hpz:
-            b.secondary = wire.secondary_of(full, b.lay)
+    return gathered
 
 
 @dataclasses.dataclass

@@ -144,11 +144,18 @@ def _bucket_gather(wire: Wire, *lays: LeafLayout) -> Callable:
     def gathered(shards):
         return C.bucketed_gather(shards, lays, wire.axis_name, wire.n, math.inf)
 
+    scatter = _shared(_bucket_reduce, wire, *lays)  # run again at every layer's backward pass
+
     def reduced(_, cts):
-        return (C.bucketed_reduce_scatter(list(cts), lays, wire.axis_name, wire.n, math.inf),)
+        return (scatter(list(cts)),)
 
     gathered.defvjp(lambda shards: (gathered(shards), None), reduced)
     return gathered
+
+
+def _bucket_reduce(wire: Wire, *lays: LeafLayout) -> Callable:
+    """The cotangents of params with layouts ``lays``, reduce-scattered as one into their shards."""
+    return lambda cts: C.bucketed_reduce_scatter(cts, list(lays), wire.axis_name, wire.n, math.inf)
 
 
 @dataclasses.dataclass

@@ -124,6 +124,8 @@ SLOW = {
     "tests/test_benchmarks.py::test_vs_plain_jax_smoke_prints_every_ratio_in_pairs": "subprocess, many compiles",
     "tests/test_benchmarks.py::test_compile_time_smoke_prints_ratios_slopes_recompiles_and_the_cache":
         "subprocesses, every contender compiled from nothing",
+    "tests/test_benchmarks.py::test_compile_time_trace_smoke_prints_counts_and_the_slope_ratio":
+        "a subprocess tracing each contender's step five times (9 s)",
     # every stage x every optimizer against plain optax, 10 steps each: 32 compiled steps + references
     "tests/test_step.py::test_matches_plain_optax_fp32": "32 compiled steps",
     # 65 real DeepSpeed configs, each through zj.initialize and three steps
@@ -205,8 +207,8 @@ BUDGET = {
                                         "bucket x prefetch setting (377 programs)",
     "tests/stages/test_zeropp.py": "81 s: every ZeRO++ setting (qwZ, qgZ, hpZ) compiled and checked against "
                                    "stage 3 and plain optax (246 programs, GPT-sized: 51 s of compiling)",
-    "tests/test_benchmarks.py": "76 s: three benchmark smoke runs (gpu_check, vs_plain_jax, compile_time), each "
-                                "a fresh process compiling every contender it times",
+    "tests/test_benchmarks.py": "85 s: four benchmark smoke runs (gpu_check, vs_plain_jax, compile_time and its "
+                                "--trace), each a fresh process building every contender it times",
     "tests/test_pipeline.py": "51 s (66 s in the slower run): every pipeline schedule's program against plain "
                               "optax, and the pipeline benchmark's smoke run (18-22 s)",
     "tests/runtime/test_distributed.py": "53 s (62 s in the slower runs): 16 processes: a two-process run of 4 "

@@ -6,7 +6,8 @@ The smoke modes compile each contender once, at one GPT layer (compile_time: pla
 stage 2 at 1 and 2 layers, for its slope) and one batch row per device; the two scripts share
 vs_plain_jax's code, so gpu_check's smoke run times one of its ratios and one optimizer, and
 vs_plain_jax's every ratio and every optimizer. compile_time's smoke counts recompiles over 4 steps with a save every 2, a restore and
-finish(), and times the persistent cache cold and warm in two child processes (stage 3 only)."""
+finish(), and times the persistent cache cold and warm in two child processes (stage 3 only); its
+--trace smoke traces FSDP's and stage 3's steps at 1 and 2 layers, in process."""
 from tests.helpers import run_benchmark as run
 
 
@@ -33,4 +34,10 @@ def test_compile_time_smoke_prints_ratios_slopes_recompiles_and_the_cache():
     out = run("compile_time.py", "--smoke", "--contenders", "ddp", "s2")
     for figure in ("s2/ddp", "seconds per added layer", "recompiles of the step or of a saved layout: 0",
                    "persistent cache, s3", "warm/cold"):
+        assert figure in out, f"{figure!r} missing from:\n{out}"
+
+
+def test_compile_time_trace_smoke_prints_counts_and_the_slope_ratio():
+    out = run("compile_time.py", "--trace", "--smoke", "--contenders", "fsdp", "s3")
+    for figure in ("trace of the step", "trace seconds per added layer", "s3/fsdp"):
         assert figure in out, f"{figure!r} missing from:\n{out}"

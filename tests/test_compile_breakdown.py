@@ -51,3 +51,20 @@ def test_phase_slopes_are_seconds_per_added_layer():
     rows = {f"loop-{n}-{name}": {"trace_s": 0.2 + per * n} for n in (4, 8, 16) for name, per in (("ddp", 0.05), ("s3", 0.1))}
     slopes = compile_time.phase_slopes(rows, "loop", [4, 8, 16], ["ddp", "s3"], "trace_s")
     assert abs(slopes["ddp"] - 0.05) < 1e-9 and abs(slopes["s3"] - 0.1) < 1e-9
+
+
+def test_linearized_alone_counts_the_primitives_linearized_one_by_one_and_restores_jax():
+    from jax._src.interpreters import ad
+
+    rule = ad.fallback_linearize_rule
+
+    def f(x):
+        return jax.lax.sin(x) * 2.0  # primitives bound directly: each linearized on its own
+
+    with compile_time.linearized_alone() as seen:
+        jax.make_jaxpr(jax.grad(f))(1.0)
+    assert "mul" in seen
+    assert ad.fallback_linearize_rule is rule
+    with compile_time.linearized_alone() as none:
+        jax.make_jaxpr(f)(1.0)  # no gradient: nothing linearized
+    assert none == []

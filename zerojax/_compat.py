@@ -74,9 +74,9 @@ def _jit_p():
 
 
 def inlined_call(primitive, params) -> bool:
-    """Whether an equation (its ``primitive`` and ``params``) is a ``jit`` call that JAX inlines where it is staged (``inline=True``, no
-    shardings or layouts of its own): ``jax.numpy``'s functions, kept as calls by
-    :func:`make_jaxpr_keeping_calls`."""
+    """Whether an equation (its ``primitive`` and ``params``) is a ``jit`` call that JAX inlines
+    where it is staged (``inline=True``, no shardings or layouts of its own): ``jax.numpy``'s
+    functions, kept as calls by :func:`make_jaxpr_keeping_calls`."""
     return (primitive is _jit_p() and bool(params.get("inline"))
             and not params.get("compiler_options_kvs")
             and all(type(s).__name__ == "UnspecifiedValue" for s in params.get("in_shardings", ()))

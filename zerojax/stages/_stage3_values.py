@@ -186,8 +186,10 @@ def _param(base: Base) -> Lazy:
 
 
 def eqn_key(eqn) -> Optional[tuple]:
-    """An equation's primitive, params and output types, hashable; None where a param is not."""
-    key = (eqn.primitive, tuple(sorted(eqn.params.items())), tuple(v.aval for v in eqn.outvars))
+    """An equation's primitive, params, output types and context (where it computes, its
+    metadata), hashable; None where a param is not."""
+    key = (eqn.primitive, tuple(sorted(eqn.params.items())), tuple(v.aval for v in eqn.outvars),
+           getattr(eqn, "ctx", None))
     try:
         hash(key)
     except TypeError:

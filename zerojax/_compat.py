@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 
 import jax
 import numpy as np
@@ -97,7 +98,7 @@ def make_jaxpr_keeping_calls(fn, *args):
         from jax._src.interpreters import partial_eval as pe
 
         jit_p = _jit_p()
-        rule = pe.custom_staging_rules[jit_p]
+        pe.custom_staging_rules[jit_p]  # noqa: B018 - reachable
         current = lambda: _core.trace_ctx.trace  # noqa: E731
         ref = getattr(_core, "Ref", None)
     except (ImportError, AttributeError, KeyError):  # pragma: no cover - a JAX without them
@@ -115,14 +116,19 @@ def make_jaxpr_keeping_calls(fn, *args):
             return trace.default_process_primitive(jit_p, xs, params, source_info=source_info)
         return rule(trace, source_info, *xs, **params)
 
-    pe.custom_staging_rules[jit_p] = keep
-    try:
-        return jax.make_jaxpr(traced, return_shape=True)(*args)
-    except Exception:  # a JAX whose staging differs: traced as usual (an error of fn's own recurs)
-        pe.custom_staging_rules[jit_p] = rule
-        return jax.make_jaxpr(fn, return_shape=True)(*args)
-    finally:
-        pe.custom_staging_rules[jit_p] = rule
+    with _STAGING:  # one swap at a time: each restores the rule it found
+        rule = pe.custom_staging_rules[jit_p]
+        pe.custom_staging_rules[jit_p] = keep
+        try:
+            return jax.make_jaxpr(traced, return_shape=True)(*args)
+        except Exception:  # a JAX whose staging differs: traced as usual (an error of fn's own recurs)
+            pe.custom_staging_rules[jit_p] = rule
+            return jax.make_jaxpr(fn, return_shape=True)(*args)
+        finally:
+            pe.custom_staging_rules[jit_p] = rule
+
+
+_STAGING = threading.RLock()
 
 
 try:  # the tracer type: public in jax.core today, kept reachable if it moves

@@ -113,3 +113,23 @@ def test_stage3_program_is_the_one_every_call_inlined_gives(monkeypatch, scan):
                         lambda fn, *args: jax.make_jaxpr(fn, return_shape=True)(*args))
     assert kept == lowered()
     assert "all_gather" in kept
+
+
+def test_a_staging_rule_that_fails_falls_back_to_the_plain_trace(monkeypatch):
+    """On a JAX whose staging the kept calls do not fit, the loss is traced as usual (every call
+    inlined), the value is the same, and JAX's own rule is back afterwards."""
+    from jax._src.interpreters import partial_eval as pe
+
+    import zerojax._compat as compat
+
+    rule = pe.custom_staging_rules[compat._jit_p()]
+
+    def broken(primitive, params):
+        raise RuntimeError("a staging this JAX does not have")
+
+    monkeypatch.setattr(compat, "inlined_call", broken)
+    w, x = jnp.ones((8, 4)), jnp.ones((2, 8))
+    closed, _ = make_jaxpr_keeping_calls(_loss, w, x)
+    assert _prims(closed) == _prims(jax.make_jaxpr(_loss)(w, x))
+    assert np.allclose(jaxpr_as_fun(closed)(w, x)[0], _loss(w, x))
+    assert pe.custom_staging_rules[compat._jit_p()] is rule

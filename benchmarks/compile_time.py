@@ -111,33 +111,32 @@ class Contender:
         return time.perf_counter() - t, time.process_time() - cpu
 
 
-    def trace(self, batch) -> None:
-        """Build the step and trace it (Python only: no lowering, no compile)."""
+    def jitted(self, batch) -> tuple:
+        """A newly built step's jitted function and its arguments (zerojax: make_train_step, its
+        optimizer recognition included)."""
         from vs_plain_jax import plain_step
 
         if self.plain:
             p = self.plain
-            plain_step(self.loss, *p.shardings, p.batch_sh, make_tx).trace(p.params, p.opt_state, batch)
-        else:
-            zj.make_train_step(self.loss, self.state).jitted.trace(self.state, batch)
+            return plain_step(self.loss, *p.shardings, p.batch_sh, make_tx), (p.params, p.opt_state, batch)
+        return zj.make_train_step(self.loss, self.state).jitted, (self.state, batch)
+
+    def trace(self, batch) -> None:
+        """Build the step and trace it (Python only: no lowering, no compile)."""
+        fn, call_args = self.jitted(batch)
+        fn.trace(*call_args)
 
     def phases(self, batch) -> dict:
         """The first step in its phases, each timed: building the step (zerojax: make_train_step,
         its optimizer recognition included), Python trace, lowering to StableHLO, XLA compile, the
         first run; and the optimized module's op counts."""
-        from vs_plain_jax import plain_step
-
         clock = [time.perf_counter()]
 
         def lap():
             clock.append(time.perf_counter())
             return clock[-1] - clock[-2]
 
-        if self.plain:
-            p = self.plain
-            fn, call_args = plain_step(self.loss, *p.shardings, p.batch_sh, make_tx), (p.params, p.opt_state, batch)
-        else:
-            fn, call_args = zj.make_train_step(self.loss, self.state).jitted, (self.state, batch)
+        fn, call_args = self.jitted(batch)
         out = {"build_s": lap()}
         traced = fn.trace(*call_args)
         out["trace_s"] = lap()

@@ -98,10 +98,11 @@ def make_jaxpr_keeping_calls(fn, *args):
         from jax._src.interpreters import partial_eval as pe
 
         jit_p = _jit_p()
-        pe.custom_staging_rules[jit_p]  # noqa: B018 - reachable
         current = lambda: _core.trace_ctx.trace  # noqa: E731
         ref = getattr(_core, "Ref", None)
-    except (ImportError, AttributeError, KeyError):  # pragma: no cover - a JAX without them
+    except (ImportError, AttributeError):  # pragma: no cover - a JAX without them
+        return jax.make_jaxpr(fn, return_shape=True)(*args)
+    if jit_p not in pe.custom_staging_rules:  # pragma: no cover
         return jax.make_jaxpr(fn, return_shape=True)(*args)
     top = []
 
@@ -121,11 +122,11 @@ def make_jaxpr_keeping_calls(fn, *args):
         pe.custom_staging_rules[jit_p] = keep
         try:
             return jax.make_jaxpr(traced, return_shape=True)(*args)
-        except Exception:  # a JAX whose staging differs: traced as usual (an error of fn's own recurs)
-            pe.custom_staging_rules[jit_p] = rule
-            return jax.make_jaxpr(fn, return_shape=True)(*args)
+        except Exception:  # a JAX whose staging differs: traced as usual below (fn's own error recurs)
+            pass
         finally:
             pe.custom_staging_rules[jit_p] = rule
+    return jax.make_jaxpr(fn, return_shape=True)(*args)
 
 
 _STAGING = threading.RLock()

@@ -1,19 +1,24 @@
 """Stage 3's trace of the user's loss: ``jax.numpy``'s calls stay calls while the loss is traced,
 so the replay under the gradient reuses JAX's linearization of each call's program, layer after
 layer, as a plain ``jit`` trace does. The step's program is the same as with every call inlined."""
+import pathlib
 import re
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.extend.core import jaxpr_as_fun
 import pytest
+from jax.extend.core import jaxpr_as_fun
 
 import zerojax as zj
 from zerojax._compat import inlined_call, make_jaxpr_keeping_calls
 from zerojax.models.gpt import GPTConfig, init_params, loss_fn
 from zerojax.stages import _stage3
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "benchmarks"))
+import compile_time  # noqa: E402  (the benchmark's counter of primitives linearized one by one)
 
 
 def _loss(w, x):
@@ -56,29 +61,17 @@ def _stage3_trace(layers, persistence=None):
     return zj.make_train_step(loss_fn(cfg), state).jitted.trace(state, batch)
 
 
-def _linearized_alone(monkeypatch, trace):
+def _linearized_alone(trace):
     """Primitives JAX linearizes one by one (not through a call's cached linearization) while
     ``trace()`` runs; every call's program is linearized once beforehand."""
-    from jax._src.interpreters import ad
-
-    rule = getattr(ad, "fallback_linearize_rule", None)
-    if rule is None:  # pragma: no cover - a JAX that linearizes differently
-        pytest.skip("this JAX has no fallback_linearize_rule")
     trace()
-    seen = []
-
-    def counted(prim, *args, **kwargs):
-        seen.append(prim.name)
-        return rule(prim, *args, **kwargs)
-
-    monkeypatch.setattr(ad, "fallback_linearize_rule", counted)
-    trace()
-    monkeypatch.setattr(ad, "fallback_linearize_rule", rule)
+    with compile_time.linearized_alone() as seen:
+        trace()
     return len(seen)
 
 
 @pytest.mark.parametrize("persistence", [None, 0])
-def test_stage3_replay_linearizes_no_more_per_layer_than_plain_jit(monkeypatch, persistence):
+def test_stage3_replay_linearizes_no_more_per_layer_than_plain_jit(persistence):
     """Each added layer costs the stage-3 trace no more linearizations than it costs plain jit's
     gradient of the same loss. Layer params whole (DeepSpeed's persistence threshold): with
     every call inlined, each primitive of a layer was linearized anew, 78 a layer against 16.
@@ -89,8 +82,9 @@ def test_stage3_replay_linearizes_no_more_per_layer_than_plain_jit(monkeypatch, 
         cfg, params, batch = _gpt(layers)
         return lambda: jax.jit(jax.value_and_grad(loss_fn(cfg))).trace(params, batch)
 
-    plain_growth = _linearized_alone(monkeypatch, plain(4)) - _linearized_alone(monkeypatch, plain(2))
-    s3 = [_linearized_alone(monkeypatch, lambda n=n: _stage3_trace(n, persistence)) for n in (2, 4)]
+    plain_growth = _linearized_alone(plain(4)) - _linearized_alone(plain(2))
+    assert plain_growth > 0  # the counter sees JAX's one-by-one linearizations
+    s3 = [_linearized_alone(lambda n=n: _stage3_trace(n, persistence)) for n in (2, 4)]
     assert s3[1] - s3[0] <= plain_growth + 4, (s3, plain_growth)
 
 

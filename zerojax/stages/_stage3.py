@@ -109,29 +109,21 @@ class _Interpreter:
     # ------------------------------------------------------------------ the replay
     def run(self, jaxpr, consts, args):
         env = {}
-
-        def read(v):
-            return v.val if isinstance(v, Literal) else env[v]
-
         for v, x in zip(jaxpr.constvars, consts):
             env[v] = x
         for v, x in zip(jaxpr.invars, args):
             env[v] = x
         order = self._first_use_order(jaxpr, env)
         self._eval(jaxpr.eqns, env, order)
-        outs = [read(v) for v in jaxpr.outvars]
+        outs = [_read(env, v) for v in jaxpr.outvars]
         return [self.materialize(x, None) if isinstance(x, Lazy) else x for x in outs]
 
     def _eval(self, eqns, env: dict, order: List[Base]) -> None:
         """``eqns`` evaluated into ``env``. A ``jax.numpy`` call (kept as a call while tracing the
         loss) on plain values is bound as the call, whose linearization JAX caches; on a lazy
         value, its equations are evaluated here, in line, as if it had been inlined."""
-
-        def read(v):
-            return v.val if isinstance(v, Literal) else env[v]
-
         for eqn in eqns:
-            invals = [read(v) for v in eqn.invars]
+            invals = [_read(env, v) for v in eqn.invars]
             if not any(isinstance(x, Lazy) for x in invals):
                 outvals = _bind(eqn, invals)
             elif inlined_call(eqn.primitive, eqn.params):
@@ -139,7 +131,7 @@ class _Interpreter:
                 env.update(zip(closed.jaxpr.constvars, closed.consts))
                 env.update(zip(closed.jaxpr.invars, invals))
                 self._eval(closed.jaxpr.eqns, env, order)
-                outvals = [read(v) for v in closed.jaxpr.outvars]
+                outvals = [_read(env, v) for v in closed.jaxpr.outvars]
             else:
                 outvals = self._lazy_eqn(eqn, invals, order)
             for v, x in zip(eqn.outvars, outvals):
@@ -303,6 +295,11 @@ class _Interpreter:
             return self.run(body_j.jaxpr, body_j.consts, consts + list(c))
 
         return list(jax.lax.while_loop(cond, self._loop_body(body, 1), list(init)))
+
+
+def _read(env: dict, v):
+    """A variable's value in ``env``, or a literal's own."""
+    return v.val if isinstance(v, Literal) else env[v]
 
 
 def _is_literal_like(x) -> bool:

@@ -206,15 +206,16 @@ def value_key(x) -> Optional[tuple]:
     return None
 
 
+def _lazy_part(x: Lazy, bases: Sequence[Base]) -> Optional[tuple]:
+    """A lazy input's part of a key: its own key and where its sources sit among ``bases``."""
+    if x.key is None:
+        return None
+    return x.key, tuple(next(k for k, b in enumerate(bases) if b is s) for s in x.sources)
+
+
 def lazy_key(eqn, invals: list, bases: Sequence[Base]) -> Optional[tuple]:
     """``Lazy.key`` of ``eqn`` applied to ``invals`` (lazy values over ``bases``, constants)."""
-    parts = [eqn_key(eqn)]
-    for x in invals:
-        if isinstance(x, Lazy):
-            parts.append(None if x.key is None else
-                         (x.key, tuple(next(k for k, b in enumerate(bases) if b is s) for s in x.sources)))
-        else:
-            parts.append(value_key(x))
+    parts = [eqn_key(eqn)] + [_lazy_part(x, bases) if isinstance(x, Lazy) else value_key(x) for x in invals]
     return None if any(p is None for p in parts) else ("eqn",) + tuple(parts)
 
 
@@ -311,10 +312,9 @@ def _use_site(op: Callable[[list], list], invals: list, anchor, op_key: Optional
 
     site.defvjp(fwd, bwd)
     program = None
-    if op_key is not None and programs is not None and all(invals[i].key is not None for i in lazy_pos):
-        key = (op_key, len(invals), tuple(lazy_pos), tuple(diff_pos), tuple(const_pos), len(bases),
-               tuple((invals[i].key, tuple(next(k for k, b in enumerate(bases) if b is s)
-                                           for s in invals[i].sources)) for i in lazy_pos))
+    lazy_parts = tuple(_lazy_part(invals[i], bases) for i in lazy_pos)
+    if op_key is not None and programs is not None and None not in lazy_parts:
+        key = (op_key, len(invals), tuple(lazy_pos), tuple(diff_pos), tuple(const_pos), len(bases), lazy_parts)
         # the first site of a structure lends its ``apply``: an equal key computes the same
         program = programs.get(key)
         if program is None:

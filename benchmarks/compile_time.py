@@ -12,7 +12,9 @@ Every (model, layer count) is measured in ``--rounds`` interleaved rounds (every
 reverse order), with every compiled program (``jax.clear_caches()``) and zerojax's per-optimizer checks
 forgotten before each measurement, so each one starts as a new process would; the median is reported
 (``--fresh``: each measurement runs in a process of its own instead, a user's new process exactly;
-slower, by the imports and the state each child builds outside the clock). Goals: stages 0-2 <= 1.2x DDP, stage 3 <= 1.2x FSDP, at every
+slower, by the imports and the state each child builds outside the clock). Beneath each row, the
+median of the per-round ratios (a stage over its baseline measured next to it in the same round,
+so the machine's drift between rounds cancels) with their lowest and highest. Goals: stages 0-2 <= 1.2x DDP, stage 3 <= 1.2x FSDP, at every
 layer count, Python loop and ``lax.scan``; the seconds each added layer costs (a least-squares
 slope over the layer counts) no steeper than plain jit's.
 
@@ -196,6 +198,19 @@ def slope(xs, ys) -> float:
     return float(np.polyfit(np.asarray(xs, float), np.asarray(ys, float), 1)[0]) if len(xs) > 1 else float("nan")
 
 
+def paired_ratios(times: dict) -> dict:
+    """Each zerojax stage's first step over its plain baseline's *in the same round* (the two run
+    next to each other, so the machine's drift between rounds cancels): the median of those
+    per-round ratios and their lowest and highest. ``times``: contender -> [(wall, cpu), ...],
+    one entry a round."""
+    out = {}
+    for k, b in BASELINE.items():
+        if k in times and b in times:
+            per = sorted(z[0] / p[0] for z, p in zip(times[k], times[b]))
+            out[k] = {"median": statistics.median(per), "low": per[0], "high": per[-1]}
+    return out
+
+
 def first_step_table(args) -> dict:
     mesh = zj.make_mesh()
     results = {}
@@ -225,13 +240,18 @@ def first_step_table(args) -> dict:
                 cpu_seconds[k].append(cpu[k])
             ratios = {k: med[k] / med[b] for k, b in BASELINE.items() if k in med and b in med}
             cpu_ratios = {k: cpu[k] / cpu[b] for k, b in BASELINE.items() if k in cpu and b in cpu}
+            paired = paired_ratios(times)
             results[f"{kind}-{layers}"] = {"seconds": med, "ratios": ratios, "cpu_seconds": cpu,
-                                           "cpu_ratios": cpu_ratios}
+                                           "cpu_ratios": cpu_ratios, "paired": paired}
             print(f"{kind:>4} {layers:>3} layers  " + "  ".join(f"{k} {v:6.2f} s" for k, v in med.items()) + "   " +
                   "  ".join(f"{k}/{BASELINE[k]} {v:.2f}{'' if v <= GOAL else ' MISSED'}" for k, v in ratios.items()),
                   flush=True)
             print(f"{'':>4} {'cpu':>10}  " + "  ".join(f"{k} {v:6.2f} s" for k, v in cpu.items()) + "   " +
                   "  ".join(f"{k}/{BASELINE[k]} {v:.2f}" for k, v in cpu_ratios.items()), flush=True)
+            if args.rounds > 1:
+                print(f"{'':>4} {'per round':>10}  " + "  ".join(
+                    f"{k}/{BASELINE[k]} {p['median']:.2f} ({p['low']:.2f}-{p['high']:.2f})" for k, p in paired.items()),
+                    flush=True)
         for label, key, table in (("seconds", "slope", seconds), ("cpu seconds", "cpu-slope", cpu_seconds)):
             if len(args.layers) < 2:  # one layer count: no slope to fit
                 break

@@ -4,6 +4,7 @@ import pathlib
 import sys
 
 import jax
+import pytest
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
@@ -51,6 +52,17 @@ def test_phase_slopes_are_seconds_per_added_layer():
     rows = {f"loop-{n}-{name}": {"trace_s": 0.2 + per * n} for n in (4, 8, 16) for name, per in (("ddp", 0.05), ("s3", 0.1))}
     slopes = compile_time.phase_slopes(rows, "loop", [4, 8, 16], ["ddp", "s3"], "trace_s")
     assert abs(slopes["ddp"] - 0.05) < 1e-9 and abs(slopes["s3"] - 0.1) < 1e-9
+
+
+def test_paired_ratios_pair_each_stage_with_its_baseline_in_the_same_round():
+    # round 2 is slow for everyone (the machine drifted): per-round pairs cancel it, while the
+    # ratio of the medians would not
+    times = {"ddp": [(2.0, 0), (6.0, 0), (2.2, 0)], "s1": [(2.2, 0), (6.6, 0), (2.2, 0)],
+             "fsdp": [(4.0, 0), (4.0, 0), (4.0, 0)], "s3": [(3.0, 0), (5.0, 0), (4.4, 0)]}
+    paired = compile_time.paired_ratios(times)
+    assert set(paired) == {"s1", "s3"}  # stages without their baseline in the run are left out
+    assert paired["s1"] == pytest.approx({"median": 1.1, "low": 1.0, "high": 1.1})
+    assert paired["s3"] == pytest.approx({"median": 1.1, "low": 0.75, "high": 1.25})
 
 
 def test_linearized_alone_counts_the_primitives_linearized_one_by_one_and_restores_jax():

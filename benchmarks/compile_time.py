@@ -34,7 +34,9 @@ Two more figures, each from its own processes or loop:
 
 * ``--breakdown``: instead of the table, each contender's first step in a fresh process, in its
   phases (building the step, Python trace, lowering, XLA compile, first run), the op counts of the
-  optimized module (instructions, fusions, collectives, custom calls) and XLA's slowest passes on
+  optimized module (instructions, fusions, collectives, custom calls), the kernels XLA's CPU backend
+  compiles for it and their LLVM IR size (from XLA's dump of one more, untimed compile: figures that
+  do not move between runs, unlike the seconds) and XLA's slowest passes on
   the step, read from XLA's own pass timing (``TF_CPP_VMODULE=hlo_pass_pipeline=1,cpu_compiler=1``).
 
     python benchmarks/compile_time.py                        # layers 4 8 16 32, loop and scan
@@ -66,7 +68,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import zerojax as zj  # noqa: E402
-from zerojax._compat import count_compiles  # noqa: E402
+from zerojax._compat import count_compiles, without_persistent_cache  # noqa: E402
 from zerojax.models.gpt import GPTConfig, loss_fn  # noqa: E402
 
 GOAL = 1.2
@@ -149,6 +151,10 @@ class Contender:
         jax.block_until_ready(compiled(*call_args))
         out["run_s"] = lap()
         out.update(hlo_counts(compiled.as_text()))
+        # compiled once more, untimed, to read its kernels; XLA's pass log of that compile comes
+        # after the mark, and pass_times reads the log before it
+        print(KERNELS_MARK, file=sys.stderr, flush=True)
+        out.update(kernel_counts(lowered))
         return out
 
 
@@ -174,6 +180,22 @@ def hlo_counts(text: str) -> dict:
         "collectives": sum(op.removesuffix("-start") in COLLECTIVES for op in ops),
         "custom_calls": sum(op == "custom-call" for op in ops),
     }
+
+
+def kernel_counts(lowered) -> dict:
+    """The machine-code kernels XLA's CPU backend compiles for ``lowered`` (each a module of its
+    own for LLVM, identical fusions compiled once) and the size of their optimized LLVM IR, read
+    from XLA's dump of one more compile of the same program. Unlike seconds, these do not move
+    between runs: a kernel more is about 10-15 ms more to compile on this machine. Empty off CPU,
+    and where the program comes from a compilation cache (nothing is compiled then)."""
+    if jax.default_backend() != "cpu":
+        return {}
+    with tempfile.TemporaryDirectory() as dump, without_persistent_cache():
+        lowered.compile(compiler_options={"xla_dump_to": dump, "xla_dump_hlo_as_text": True})
+        ir = [os.path.join(dump, f) for f in os.listdir(dump) if f.endswith(".ir-with-opt.ll")]
+        if not ir:  # read back from a compilation cache set up earlier in the process: nothing compiled
+            return {}
+        return {"kernels": len(ir), "llvm_ir_kb": sum(map(os.path.getsize, ir)) / 1024}
 
 
 def forget() -> None:
@@ -342,6 +364,7 @@ def trace_table(args) -> dict:
 
 CHILD = "ZJ_COMPILE_CHILD"
 BREAKDOWN_CHILD = "ZJ_BREAKDOWN_CHILD"
+KERNELS_MARK = "-- the step compiled again for its kernel count --"
 PASS_LOG = {"TF_CPP_MIN_LOG_LEVEL": "0", "TF_CPP_VMODULE": "hlo_pass_pipeline=1,cpu_compiler=1"}
 MODULE_LINE = re.compile(r"Running HLO pass pipeline on module (\S+): ")
 PASS_LINE = re.compile(r"HLO pass: (\S+) time: .*?\((\d+) us\)")
@@ -389,8 +412,9 @@ def breakdown_table(args) -> dict:
     """Where each contender's first step goes, each in a fresh process: build, trace, lower,
     compile, run; the optimized module's op counts; XLA's slowest passes on the step."""
     head = (f"{'model':>9} {'contender':>9} {'build':>6} {'trace':>6} {'lower':>6} {'compile':>7} {'run':>5} "
-            f"{'instr':>6} {'fusion':>6} {'coll':>5} {'custom':>6}  slowest XLA passes of the step (s)")
-    print("breakdown of the first step (seconds; op counts of the optimized module)\n" + head, flush=True)
+            f"{'instr':>6} {'fusion':>6} {'coll':>5} {'custom':>6} {'kernels':>7} {'IR KB':>6}  "
+            "slowest XLA passes of the step (s)")
+    print("breakdown of the first step (seconds; op counts of the optimized module; kernels compiled)\n" + head, flush=True)
     out = {}
     for kind in args.kinds:
         for layers in args.layers:
@@ -400,13 +424,14 @@ def breakdown_table(args) -> dict:
                 res = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, check=True,
                                      capture_output=True, text=True)
                 row = json.loads(res.stdout.strip().splitlines()[-1])
-                passes = pass_times(res.stderr)
+                passes = pass_times(res.stderr.split(KERNELS_MARK)[0])
                 row["passes"] = dict(sorted(passes.items(), key=lambda kv: -kv[1])[:args.top_passes])
                 row["hlo_passes_s"] = sum(v for k, v in passes.items() if not k.startswith("(codegen"))
                 out[f"{kind}-{layers}-{name}"] = row
                 print(f"{kind + ' ' + str(layers):>9} {name:>9} {row['build_s']:6.2f} {row['trace_s']:6.2f} "
                       f"{row['lower_s']:6.2f} {row['compile_s']:7.2f} {row['run_s']:5.2f} {row['instructions']:6d} "
-                      f"{row['fusions']:6d} {row['collectives']:5d} {row['custom_calls']:6d}  "
+                      f"{row['fusions']:6d} {row['collectives']:5d} {row['custom_calls']:6d} "
+                      f"{row.get('kernels', 0):7d} {row.get('llvm_ir_kb', 0):6.0f}  "
                       f"HLO passes {row['hlo_passes_s']:.2f}; " +
                       ", ".join(f"{k} {v:.2f}" for k, v in row["passes"].items()), flush=True)
         if len(args.layers) > 1:

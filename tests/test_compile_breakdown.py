@@ -54,6 +54,19 @@ def test_phase_slopes_are_seconds_per_added_layer():
     assert abs(slopes["ddp"] - 0.05) < 1e-9 and abs(slopes["s3"] - 0.1) < 1e-9
 
 
+def test_kernel_counts_read_the_kernels_xla_compiles_for_a_program():
+    x = jnp.ones((72, 40), jnp.float32)
+    one = compile_time.kernel_counts(jax.jit(lambda a: jnp.sin(a) * 2.0).lower(x))
+    # the same elementwise loop, a transpose of another shape and a reduction: kernels of their own
+    three = compile_time.kernel_counts(jax.jit(lambda a: (jnp.sin(a) * 2.0, a.T * 3.0, jnp.exp(a).sum(0))).lower(x))
+    assert one["kernels"] >= 1 and one["llvm_ir_kb"] > 0
+    assert three["kernels"] >= one["kernels"] + 2 and three["llvm_ir_kb"] > one["llvm_ir_kb"]
+    # a program of other shapes compiles kernels of its own (the suite's persistent compilation
+    # cache holds none of it yet), as many as the first
+    other = compile_time.kernel_counts(jax.jit(lambda a: jnp.sin(a) * 2.0).lower(jnp.ones((56, 24), jnp.float32)))
+    assert other["kernels"] == one["kernels"]
+
+
 def test_paired_ratios_pair_each_stage_with_its_baseline_in_the_same_round():
     # round 2 is slow for everyone (the machine drifted): per-round pairs cancel it, while the
     # ratio of the medians would not

@@ -216,17 +216,6 @@ def count_compiles():
         jax.monitoring.unregister_event_duration_listener(listener)
 
 
-def without_persistent_cache():
-    """A block whose compiles neither read nor write JAX's persistent compilation cache: each
-    program in it is compiled by XLA itself (as a benchmark reading the compile's own output needs)."""
-    try:
-        from jax._src import config as _config
-
-        return _config.enable_compilation_cache(False)
-    except (ImportError, AttributeError, TypeError):  # pragma: no cover - a jax without the state
-        return contextlib.nullcontext()
-
-
 def not_persisted():
     """A block whose compiled programs are not written to JAX's persistent compilation cache
     (the threshold of compile seconds a program must pass to be written, set out of reach)."""

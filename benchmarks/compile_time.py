@@ -114,7 +114,6 @@ class Contender:
         jax.block_until_ready(value)
         return time.perf_counter() - t, time.process_time() - cpu
 
-
     def jitted(self, batch) -> tuple:
         """A newly built step's jitted function and its arguments (zerojax: make_train_step, its
         optimizer recognition included)."""
@@ -210,6 +209,12 @@ def forget() -> None:
     _momentum.momentum_recipe.cache_clear()
 
 
+def gpt_config(layers: int, kind: str, vocab: int, d: int, seq: int) -> GPTConfig:
+    """The benchmark's GPT: ``layers`` layers of width ``d``, 4 heads, as a Python loop or under
+    ``lax.scan`` (``kind``)."""
+    return GPTConfig(vocab=vocab, n_layer=layers, d_model=d, n_head=4, seq_len=seq, scan=kind == "scan")
+
+
 def batch_for(cfg, n_rows):
     rng = np.random.default_rng(0)
     return {"tokens": rng.integers(0, cfg.vocab, (n_rows, cfg.seq_len + 1), dtype=np.int32)}
@@ -240,8 +245,7 @@ def first_step_table(args) -> dict:
         seconds = {name: [] for name in args.contenders}
         cpu_seconds = {name: [] for name in args.contenders}
         for layers in args.layers:
-            cfg = GPTConfig(vocab=args.vocab, n_layer=layers, d_model=args.d, n_head=4, seq_len=args.seq,
-                            scan=kind == "scan")
+            cfg = gpt_config(layers, kind, args.vocab, args.d, args.seq)
             batch = batch_for(cfg, args.batch)
             # --fresh: each first step in a process of its own; else in this one, caches forgotten
             contenders = {k: None if args.fresh else Contender(k, mesh, cfg) for k in args.contenders}
@@ -327,8 +331,7 @@ def trace_table(args) -> dict:
     for kind in args.kinds:
         cells = {}
         for layers in args.layers:
-            cfg = GPTConfig(vocab=args.vocab, n_layer=layers, d_model=args.d, n_head=4, seq_len=args.seq,
-                            scan=kind == "scan")
+            cfg = gpt_config(layers, kind, args.vocab, args.d, args.seq)
             for k in args.contenders:
                 cells[(layers, k)] = (Contender(k, mesh, cfg, **zero), batch_for(cfg, args.batch))
         times, counts = {c: [] for c in cells}, {}
@@ -397,8 +400,7 @@ def child_spec(name, layers, kind, args) -> str:
 def child_contender(variable: str):
     """In a fresh process: ``(name, contender, batch)`` from the :func:`child_spec` in ``variable``."""
     name, layers, kind, vocab, d, seq, batch_rows = os.environ[variable].split(",")
-    cfg = GPTConfig(vocab=int(vocab), n_layer=int(layers), d_model=int(d), n_head=4, seq_len=int(seq),
-                    scan=kind == "scan")
+    cfg = gpt_config(int(layers), kind, int(vocab), int(d), int(seq))
     return name, Contender(name, zj.make_mesh(), cfg), batch_for(cfg, int(batch_rows))
 
 
@@ -484,7 +486,7 @@ def recompile_figures(args, steps: int = 20, every: int = 5) -> dict:
     """Backend compiles after the first step, by phase: the step's own programs must not compile
     again; each checkpoint program (save, restore) compiles once per state layout. ``steps``
     steps with a save every ``every``."""
-    cfg = GPTConfig(vocab=args.vocab, n_layer=args.layers[0], d_model=args.d, n_head=4, seq_len=args.seq)
+    cfg = gpt_config(args.layers[0], "loop", args.vocab, args.d, args.seq)
     batch = batch_for(cfg, args.batch)
     from vs_plain_jax import gpt_params
 

@@ -4,8 +4,8 @@ import pathlib
 import sys
 
 import jax
-import pytest
 import jax.numpy as jnp
+import pytest
 from jax.sharding import PartitionSpec as P
 
 import zerojax as zj

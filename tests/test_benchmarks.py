@@ -41,3 +41,13 @@ def test_compile_time_trace_smoke_prints_counts_and_the_slope_ratio():
     out = run("compile_time.py", "--trace", "--smoke", "--contenders", "fsdp", "s3")
     for figure in ("trace of the step", "trace seconds per added layer", "s3/fsdp"):
         assert figure in out, f"{figure!r} missing from:\n{out}"
+
+
+def test_variadic_gather_smoke_reports_both_partitioners_and_an_equal_step():
+    # Shardy's verdict on an all-gather of many operands is whatever this JAX says; where GSPMD
+    # compiles it, stage 1 with it must leave the params exactly where stage 1 as shipped does
+    out = run("variadic_gather.py", "--smoke")
+    for partitioner in ("shardy", "gspmd"):
+        assert f"all-gather of two operands under {partitioner}: " in out, out
+    if "under gspmd: runs" in out:
+        assert "s1v params - s1 params: 0.0e+00" in out, out

@@ -209,6 +209,47 @@ def _offsets(starts):
     return jax.lax.cond(jax.lax.optimization_barrier(jnp.asarray(True)), values, values)
 
 
+def _row_groups(members, lays, n):
+    """``members`` grouped by how many runs of their split dim's elements a device row holds
+    (``before`` of :func:`_split_view`), in order of first appearance:
+    ``[(before, [(index, inner), ...]), ...]``."""
+    groups = {}
+    for i in members:
+        before, inner = _split_view(lays[i], n)
+        groups.setdefault(before, []).append((i, inner))
+    return list(groups.items())
+
+
+def pack_rows(values, lays, members, n: int):
+    """Whole leaves ``values[i]`` (``i`` in ``members``) -> one (n, total) buffer whose row d
+    holds device d's partition of each of them: what a bucket's reduce-scatter sends.
+
+    Leaves with the same ``before`` travel as one block: each is viewed as (before, n, inner)
+    (a reshape), the views are concatenated along ``inner`` and the block's first two dims are
+    swapped once, so a bucket of stacked leaves split along a later dim (a ``lax.scan`` model
+    whose layer count the devices do not divide) costs one transpose, not one per leaf; leaves
+    split along their first dim (``before`` 1) need none. The row's order is :func:`unpack_row`'s."""
+    blocks = []
+    for before, items in _row_groups(members, lays, n):
+        parts = [placement.pad(values[i], lays[i]).reshape(before, n, inner) for i, inner in items]
+        block = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=2)
+        blocks.append(block.reshape(n, -1) if before == 1 else jnp.swapaxes(block, 0, 1).reshape(n, -1))
+    return blocks[0] if len(blocks) == 1 else jnp.concatenate(blocks, axis=1)
+
+
+def unpack_row(flat, lays, members, n: int) -> dict:
+    """One device's row of :func:`pack_rows` (flat) -> ``{i: its shard of leaf i}``."""
+    groups = _row_groups(members, lays, n)
+    out = {}
+    segments = pieces(flat, [before * sum(inner for _, inner in items) for before, items in groups])
+    for (before, items), segment in zip(groups, segments):
+        inners = [inner for _, inner in items]
+        parts = pieces(segment, inners) if before == 1 else pieces(segment.reshape(before, -1), inners, axis=1)
+        for (i, _), part in zip(items, parts):
+            out[i] = unrow(part, lays[i], n)
+    return out
+
+
 def bucketed_reduce_scatter(grads, lays, axis_name: str, n: int, bucket_size: int, sumsq: list | None = None):
     """Whole local gradients -> this device's shards of their sums, one reduce-scatter per
     bucket of at most ``bucket_size`` elements (per dtype). With a list ``sumsq``, the float32
@@ -221,12 +262,11 @@ def bucketed_reduce_scatter(grads, lays, axis_name: str, n: int, bucket_size: in
             if sumsq is not None:
                 sumsq.append(sum_of_squares(out[members[0]]))
             continue
-        parts = [rows(grads[i], lays[i], n) for i in members]
-        flat = jax.lax.psum_scatter(jnp.concatenate(parts, axis=1), axis_name, scatter_dimension=0, tiled=True)
+        flat = jax.lax.psum_scatter(pack_rows(grads, lays, members, n), axis_name, scatter_dimension=0, tiled=True)
         if sumsq is not None:
             sumsq.append(sum_of_squares(flat))
-        for i, piece in zip(members, pieces(flat.reshape(-1), [r.shape[1] for r in parts])):
-            out[i] = unrow(piece, lays[i], n)
+        for i, shard in unpack_row(flat.reshape(-1), lays, members, n).items():
+            out[i] = shard
     return out
 
 

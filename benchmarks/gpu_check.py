@@ -5,7 +5,10 @@
 3. optimizer offload against the same step on the device;
 4. the stage ratios of benchmarks/vs_plain_jax.py (zerojax stages 0-3 against plain-jit DDP and
    GSPMD FSDP) on one device-sized GPT shape;
-5. the compiled per-device peak of stage 3 against stage 0.
+5. the compiled per-device peak of stage 3 against stage 0;
+6. whether this JAX's partitioner (Shardy) compiles an all-gather of many operands, on 8
+   simulated CPU devices (benchmarks/variadic_gather.py: stages 1-2 would gather each bucket
+   with one, without a copy kernel per leaf shape).
 
     python benchmarks/gpu_check.py            # on a GPU
     python benchmarks/gpu_check.py --smoke    # tiny sizes on the CPU (the test suite runs this)
@@ -116,6 +119,14 @@ def stage3_peak(cfg, batch):
     line("stage 3 lean / stage 0", peaks["lean"] / peaks[0], 0.20)
 
 
+def variadic_all_gather():
+    print("\n6. an all-gather of many operands under Shardy (benchmarks/variadic_gather.py, CPU)")
+    import variadic_gather
+
+    got = variadic_gather.run_child("partitioner,shardy", JAX_PLATFORMS="cpu")
+    print("  runs" if got["runs"] else f"  fails: {got['error']}")
+
+
 def section(fn, *args):
     t0 = time.perf_counter()
     try:
@@ -153,7 +164,7 @@ def main():
     rng = np.random.default_rng(0)
     batch = {"tokens": rng.integers(0, gpt.vocab, (batch_rows, gpt.seq_len + 1), dtype=np.int32)}
     ok = [section(fused_adam_bandwidth, n, reps), section(offload_and_zenflow, gpt, batch, rounds, steps),
-          section(stage_ratios, shapes), section(stage3_peak, gpt, batch)]
+          section(stage_ratios, shapes), section(stage3_peak, gpt, batch), section(variadic_all_gather)]
     print(f"\n{sum(ok)} of {len(ok)} sections ran in {time.perf_counter() - t0:.0f} s")
     return 0 if all(ok) else 1
 

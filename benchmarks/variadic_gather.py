@@ -154,8 +154,10 @@ def child_step(spec: str) -> None:
     print(json.dumps({"kernels": kernels, "times": times, "per_round": pairs, "params_max_diff": diff}))
 
 
-def run_child(value: str) -> dict:
-    res = subprocess.run([sys.executable, os.path.abspath(__file__)], env=dict(os.environ, **{CHILD: value}),
+def run_child(value: str, **env) -> dict:
+    """One child process of this script (``value``: what it measures), ``env`` added to its
+    environment; its JSON, or why it printed none."""
+    res = subprocess.run([sys.executable, os.path.abspath(__file__)], env=dict(os.environ, **{CHILD: value}, **env),
                          capture_output=True, text=True)
     lines = res.stdout.strip().splitlines()
     if res.returncode == 0 and lines:

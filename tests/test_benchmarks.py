@@ -13,7 +13,8 @@ from tests.helpers import run_benchmark as run
 
 def test_gpu_check_smoke_runs_every_section():
     out = run("gpu_check.py", "--smoke")
-    assert "4 of 4 sections ran" in out
+    assert "5 of 5 sections ran" in out
+    assert "6. an all-gather of many operands under Shardy" in out
     for figure in ("fused / copy", "ZenFlow / plain offload", "offload / on device", "s3/s0", "s0/jit",
                    "stage 3 lean / stage 0"):
         assert figure in out, f"{figure!r} missing from:\n{out}"

@@ -28,6 +28,7 @@ says so and measures nothing.
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 
@@ -205,8 +206,7 @@ def main():
                 print(f"{kind:>4} {layers:>3} layers  failed: {got['error']}", flush=True)
                 continue
             k = {name: v.get("kernels", 0) for name, v in got["kernels"].items()}
-            per = {name: v[len(v) // 2] if len(v) % 2 else sum(v[len(v) // 2 - 1:len(v) // 2 + 1]) / 2
-                   for name, v in got["per_round"].items()}
+            per = {name: statistics.median(v) for name, v in got["per_round"].items()}
             print(f"{kind:>4} {layers:>3} layers  kernels ddp {k['ddp']} s1 {k['s1']} s1v {k['s1v']}   "
                   + "  ".join(f"{name}/ddp {per[name]:.2f} ({got['per_round'][name][0]:.2f}-"
                               f"{got['per_round'][name][-1]:.2f})" for name in per)

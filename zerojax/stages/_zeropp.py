@@ -37,7 +37,6 @@ import math
 from typing import Optional
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from zerojax._plan import LeafLayout, ZeroPlan
@@ -209,12 +208,9 @@ class Wire:
         reduction per bucket of at most ``bucket_size`` elements (per dtype)."""
         out = [None] * len(grads)
         for members in C.bucket_members(grads, lays, bucket_size):
-            parts = [C.rows(grads[i], lays[i], self.n) for i in members]
-            flat = self.reduce_rows(jnp.concatenate(parts, axis=1))
-            offset = 0
-            for i, r in zip(members, parts):
-                out[i] = C.unrow(flat[offset:offset + r.shape[1]], lays[i], self.n)
-                offset += r.shape[1]
+            flat = self.reduce_rows(C.pack_rows(grads, lays, members, self.n))
+            for i, shard in C.unpack_row(flat, lays, members, self.n).items():
+                out[i] = shard
         return out
 
 

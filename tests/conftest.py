@@ -209,8 +209,8 @@ BUDGET = {
                                         "bucket x prefetch setting (377 programs)",
     "tests/stages/test_zeropp.py": "81 s: every ZeRO++ setting (qwZ, qgZ, hpZ) compiled and checked against "
                                    "stage 3 and plain optax (246 programs, GPT-sized: 51 s of compiling)",
-    "tests/test_benchmarks.py": "85 s: four benchmark smoke runs (gpu_check, vs_plain_jax, compile_time and its "
-                                "--trace), each a fresh process building every contender it times",
+    "tests/test_benchmarks.py": "105 s: five benchmark smoke runs (gpu_check, vs_plain_jax, compile_time and its "
+                                "--trace, variadic_gather), each a fresh process building every contender it times",
     "tests/test_pipeline.py": "51 s (66 s in the slower run): every pipeline schedule's program against plain "
                               "optax, and the pipeline benchmark's smoke run (18-22 s)",
     "tests/runtime/test_distributed.py": "53 s (62 s in the slower runs): 16 processes: a two-process run of 4 "

@@ -140,12 +140,8 @@ def rows(x, lay: LeafLayout, n: int):
     """Whole leaf (unpadded or padded) -> (n, chunk): row d is device d's partition, flat in
     its own row-major order (so a shard and its row are one reshape apart). Only the dims
     before the split one are exchanged with the device axis: contiguous runs are moved, no
-    element transpose."""
-    before, inner = _split_view(lay, n)
-    x = placement.pad(x, lay)
-    if before == 1:  # split along its first dim (with more than one element): rows already
-        return x.reshape(n, -1)
-    return jnp.swapaxes(x.reshape(before, n, inner), 0, 1).reshape(n, -1)
+    element transpose. A bucket of one leaf (:func:`pack_rows`)."""
+    return pack_rows([x], [lay], [0], n)
 
 
 def shard_row(shard, lay: LeafLayout):
@@ -233,6 +229,7 @@ def pack_rows(values, lays, members, n: int):
     for before, items in _row_groups(members, lays, n):
         parts = [placement.pad(values[i], lays[i]).reshape(before, n, inner) for i, inner in items]
         block = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=2)
+        # split along the first dim (with more than one element): the rows already
         blocks.append(block.reshape(n, -1) if before == 1 else jnp.swapaxes(block, 0, 1).reshape(n, -1))
     return blocks[0] if len(blocks) == 1 else jnp.concatenate(blocks, axis=1)
 

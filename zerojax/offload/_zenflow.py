@@ -182,8 +182,10 @@ class ZenFlowStep(StepBase):
         f32 = jnp.float32
         rep = NamedSharding(plan.mesh, P())
 
+        shardings = plan.param_shardings
+
         def init_dev(params):
-            leaves = placement.params_logical(plan, params)
+            leaves = placement.params_logical(plan, placement.fetch(params, shardings))
             vec_master = [leaves[i].astype(f32) for i in vec]
             return {"idx": [jnp.zeros((k,), jnp.int32) for k in topk],
                     "sel": [jnp.zeros((k,) + plan.leaves[i].shape[1:], f32) for i, k in zip(mat, topk)],
@@ -194,6 +196,9 @@ class ZenFlowStep(StepBase):
             return jax.tree_util.tree_map(lambda p, u: p + u * (-lr), ps, updates)
 
         def device_step(params, dev, batch, rng, lr, reselect: bool, warm: bool):
+            # offload_param: the params' home is host memory; they are read and updated here on
+            # the device, and out_shardings puts them back
+            params = placement.fetch(params, shardings)
             leaves = placement.params_logical(plan, params)
             g_st, loss = compute_grads(params, batch, f32(1.0), rng)
             checked = check_gradients(cfg, plan.treedef.flatten_up_to(placement.to_update(plan, g_st)), loss)
@@ -233,14 +238,13 @@ class ZenFlowStep(StepBase):
             return new_params, new_dev, host_grads, metrics
 
         def merge(params, host_params, idx, keep_selected: bool):
-            leaves = placement.params_logical(plan, params)
+            leaves = placement.params_logical(plan, placement.fetch(params, shardings))
             out = list(leaves)
             for j, i in enumerate(mat):
                 new = host_params[j].astype(cdt)
                 out[i] = new.at[idx[j]].set(leaves[i][idx[j]]) if keep_selected else new
             return placement.params_stored(plan, out)
 
-        shardings = plan.param_shardings
         self._init_dev = jax.jit(init_dev)
         self._device_step = jax.jit(device_step, static_argnames=("reselect", "warm"), donate_argnums=(0, 1),
                                     out_shardings=(shardings, None, None, None))

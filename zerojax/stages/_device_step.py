@@ -118,10 +118,8 @@ def _update_fn(loss_fn: Callable, plan: ZeroPlan, tx, has_aux: bool, fused_adam:
         scale = state.loss_scale.scale if fp16 else jnp.float32(1.0)
         rng = jax.random.fold_in(state.rng, state.step)
         key = update_key(rng)  # stochastic rounding of a bf16 master
-        # offloaded stage-3 params stay in host memory: each shard is brought to the device
-        # just before its gather, layer by layer; the rest are fetched now
-        state = state.replace(params=plan.map(
-            lambda lay, x, s: x if lay.params_partitioned else placement.fetch(x, s), state.params, homes.params))
+        # offloaded stage-3 params stay in host memory: the gradient brings each to the device
+        # where the loss first reads it (stages/_gradients.py), and the update fetches its own
         scaled, loss, sumsq = compute_grads(state.params, batch, scale, rng)
         checked = check_gradients(cfg, scaled, loss, scale if fp16 else None, sumsq)
         grads, coef, skip = checked.grads, checked.coef, checked.skip

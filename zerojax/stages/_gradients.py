@@ -109,6 +109,11 @@ def grads_fn(loss_fn: Callable, plan: ZeroPlan, has_aux: bool = False, with_sums
     denom = np.float32(n * gas)  # numpy: a constant of the trace, nothing made on a device now
 
     def body(params, batch, scale, rng):
+        # offload_param: every param reaches the loss in device memory. A partitioned shard is
+        # brought over just before its gather (stages/_stage3_values.py), layer by layer; a param
+        # kept whole comes over here, once per step, outside the gradient (so its gradient is
+        # made in device memory and no micro-batch moves it again)
+        params = plan.map(lambda lay, x: x if lay.params_partitioned else to_device_memory(x), params)
         # the mean over devices and micro-batches is folded into the loss's scale, so no pass
         # over the gradients divides them afterwards
         grad_scale = scale / denom

@@ -45,7 +45,7 @@ def _verdict(key: keys.Key) -> tuple:
     if key.honoured:
         if key.field in BLOCKS:
             return "honoured", "a block read on its own (tables below; schedulers in the DeepSpeed guide)"
-        return "honoured", f"`ZeroConfig.{key.field}`"
+        return "honoured", f"`ZeroConfig.{key.field}`" + (f"; {key.why}" if key.why else "")
     if key.removed:
         return "refused (removed)", key.why
     if key.refused:

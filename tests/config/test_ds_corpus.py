@@ -8,7 +8,9 @@ explicit values). The expectation per file:
 
 * DeepSpeed accepts it: it trains on 8 devices (finite loss, step counter 3), except that a
   DeepSpeed-only optimizer (OneBitAdam, OneBitLamb, ZeroOneAdam) is refused with a
-  ConfigError naming the optimizer; a file with AutoTP (``tensor_parallel``) trains on the
+  ConfigError naming the optimizer, and params offloaded to NVMe at stage 3
+  (``offload_param.device`` "nvme": zerojax keeps offloaded params in host memory) with one
+  naming ``zero_optimization.offload_param.device``; a file with AutoTP (``tensor_parallel``) trains on the
   ("data", "model") mesh zj.initialize builds for it;
 * DeepSpeed rejects it: zj.initialize raises a ConfigError.
 
@@ -59,6 +61,10 @@ def _refusal(cfg: dict):
     opt = cfg.get("optimizer")
     if isinstance(opt, dict) and str(opt.get("type", "")).lower() in DEEPSPEED_ONLY_OPTIMIZERS:
         return str(opt["type"])
+    zero = cfg.get("zero_optimization")
+    param = zero.get("offload_param") if isinstance(zero, dict) else None
+    if isinstance(param, dict) and param.get("device") == "nvme" and zero.get("stage") == 3:
+        return "zero_optimization.offload_param.device"
     return None
 
 

@@ -185,8 +185,15 @@ RULE_CASES = [  # (ZeroConfig kwargs, DeepSpeed zero_optimization block, field a
      "offload_optimizer", "zero_optimization.offload_optimizer.device"),
     (dict(stage=1, offload_optimizer="nvme"), {"stage": 1, "offload_optimizer": {"device": "nvme"}},
      "nvme_path", "zero_optimization.offload_optimizer.nvme_path"),
+    (dict(stage=3, offload_optimizer="nvme"), {"stage": 3, "offload_optimizer": {"device": "nvme"}},
+     "nvme_path", "zero_optimization.offload_optimizer.nvme_path"),
+    # params are not streamed from NVMe: refused by name, with or without nvme_path
     (dict(stage=3, offload_param="nvme"), {"stage": 3, "offload_param": {"device": "nvme"}},
-     "nvme_path", "zero_optimization.offload_param.nvme_path"),
+     "offload_param", "zero_optimization.offload_param.device"),
+    (dict(stage=3, offload_param="nvme", offload_optimizer="nvme", nvme_path="/x"),
+     {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/x"},
+      "offload_optimizer": {"device": "nvme", "nvme_path": "/x"}},
+     "offload_param", "zero_optimization.offload_param.device"),
     (dict(stage=2, offload_optimizer="cpu", offload_ratio=0.5),
      {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}, "offload_ratio",
      "zero_optimization.offload_optimizer.ratio"),
@@ -229,6 +236,19 @@ def test_offload_param_below_stage_3_is_an_error_by_hand_and_ignored_from_a_file
     assert "DeepSpeed ignores it there" in text
     assert str(direct.value).split("Fix: ")[1] in text
     assert "needs ZeRO stage 3 (ZeroConfig.stage is 2): parameters are offloaded only with ZeRO-3" in str(direct.value)
+
+
+def test_offload_param_nvme_is_refused_naming_the_key_and_the_cpu_alternative():
+    for make in (lambda: ZeroConfig(stage=3, offload_param="nvme", nvme_path="/x"),
+                 lambda: ZeroConfig(stage=3, offload_param="cpu").replace(offload_param="nvme", nvme_path="/x")):
+        with pytest.raises(ConfigError) as direct:
+            make()
+        assert str(direct.value).startswith("ZeroConfig.offload_param='nvme' is not supported")
+        assert 'Fix: use "cpu"' in str(direct.value)
+    with pytest.raises(ConfigError) as read:
+        load({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/x"}}})
+    assert "zero_optimization.offload_param.device='nvme' (ZeroConfig.offload_param)" in str(read.value)
+    assert 'Fix: use "cpu"' in str(read.value)
 
 
 def test_fp16_and_bf16_together_is_one_message_naming_both_keys():

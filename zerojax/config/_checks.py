@@ -280,9 +280,8 @@ def zero_fields(zo, v: Verdicts) -> tuple[dict, dict]:
         name = next(iter(given), next(iter(active), "offload_optimizer"))
         fields[key] = given[name] if given else FIELDS[key].default
         paths[key] = f"{path}.{name}.{key}"
-    nvme = [n for n in active if fields[n] == "nvme"]
-    if nvme and not fields["nvme_path"]:
-        paths["nvme_path"] = f"{path}.{nvme[-1]}.nvme_path"
+    if fields["offload_optimizer"] == "nvme" and not fields["nvme_path"]:  # the one block that needs it
+        paths["nvme_path"] = f"{path}.offload_optimizer.nvme_path"
     for rule in broken_rules(fields, skip=bad):
         if rule.on_deepspeed == "error":
             v.refuse(paths[rule.field], rule_message(rule, fields, paths))

@@ -25,7 +25,7 @@ from typing import Any, Callable, Mapping, Optional
 from zerojax._errors import ConfigError, IgnoredKeysWarning
 from zerojax._precision import PRECISIONS, LossScaler
 
-__all__ = ["FIELDS", "LOW_PRECISION", "NONTRAINABLE", "RULES", "ZEROPP", "FieldSpec", "Invalid", "Rule",
+__all__ = ["FIELDS", "LOW_PRECISION", "NONTRAINABLE", "PARAM_NVME", "RULES", "ZEROPP", "FieldSpec", "Invalid", "Rule",
            "invalid_message", "subject", "validate"]
 
 
@@ -278,8 +278,9 @@ FIELDS: dict[str, FieldSpec] = {f.name: f for f in (
     # offload
     FieldSpec("offload_optimizer", None, device, 'use None, "cpu" or "nvme"', (f"{_OO}.device",),
               deepspeed_default="none"),
-    FieldSpec("offload_param", None, device, 'use None, "cpu" or "nvme"', (f"{_OP}.device",),
-              deepspeed_default="none", stage3_only=True),
+    FieldSpec("offload_param", None, device, 'use None or "cpu"', (f"{_OP}.device",),
+              deepspeed_default="none", stage3_only=True,
+              doc='"nvme" is refused (PARAM_NVME): zerojax keeps offloaded params in host memory'),
     FieldSpec("nvme_path", None, optional(string), 'set a directory on a local NVMe drive, e.g. "/local_nvme"',
               (f"{_OO}.nvme_path", f"{_OP}.nvme_path")),
     FieldSpec("pin_memory", True, boolean, "use true or false", (f"{_OO}.pin_memory", f"{_OP}.pin_memory")),
@@ -372,6 +373,8 @@ LOW_PRECISION_RULES = (
          lambda v, n: f"has nothing to round: {n('master_weights_dtype')} is off, so the update is stored in the "
                       "fp32 master", 'set master_weights_dtype "bfloat16", or remove it'),
 )
+PARAM_NVME = ("is not supported: zerojax does not stream parameters from NVMe; offloaded params live in host "
+              "memory, so \"nvme\" would train from host memory and write nothing under nvme_path")
 NONTRAINABLE = ("zerojax has no frozen leaves to store quantized (every leaf of the params tree gets a gradient "
                 "and an optimizer update), so every weight is stored at full width")
 
@@ -384,10 +387,16 @@ RULES: tuple = (
     Rule("offload_optimizer", ("stage",), lambda v: v["offload_optimizer"] is not None and v["stage"] == 0,
          lambda v, n: f"needs ZeRO stage 1, 2 or 3 ({n('stage')} is 0): offload moves the partitioned "
                       "optimizer state", "set stage to 1 or higher"),
-    Rule("nvme_path", ("offload_optimizer", "offload_param"),
-         lambda v: not v["nvme_path"] and "nvme" in (v["offload_optimizer"], v["offload_param"]),
-         lambda v, n: "is missing: offloading to \"nvme\" (" + ", ".join(
-             n(f) for f in ("offload_optimizer", "offload_param") if v[f] == "nvme") + ") needs a directory",
+    # ZeRO-Infinity's param offload to NVMe: zerojax keeps offloaded params in host memory and
+    # does not stream them from files, so "nvme" would train from host memory and write nothing
+    # under nvme_path; refused by name rather than silently read as "cpu"
+    Rule("offload_param", (), lambda v: v["offload_param"] == "nvme", lambda v, n: PARAM_NVME,
+         'use "cpu" (params in pinned host memory); offload_optimizer "nvme" still keeps the optimizer state in '
+         "files under nvme_path (ZeRO-Infinity's layout apart from the params)"),
+    # (only the optimizer state goes to NVMe: offload_param "nvme" is refused above)
+    Rule("nvme_path", ("offload_optimizer",),
+         lambda v: not v["nvme_path"] and v["offload_optimizer"] == "nvme",
+         lambda v, n: f"is missing: offloading to \"nvme\" ({n('offload_optimizer')}) needs a directory",
          'set nvme_path to a directory on a local NVMe drive, e.g. "/local_nvme"'),
     Rule("sub_group_size", ("offload_optimizer",),
          lambda v: v["sub_group_size"] == 0 and v["offload_optimizer"] == "nvme",

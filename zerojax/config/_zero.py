@@ -66,7 +66,7 @@ class ZeroConfig:
     sub_group_size: int = _D["sub_group_size"]
     # --- offload --------------------------------------------------------------------
     offload_optimizer: Optional[str] = _D["offload_optimizer"]  # None | "cpu" | "nvme"
-    offload_param: Optional[str] = _D["offload_param"]  # stage 3 only
+    offload_param: Optional[str] = _D["offload_param"]  # None | "cpu"; stage 3 only ("nvme" is refused)
     nvme_path: Optional[str] = _D["nvme_path"]
     pin_memory: bool = _D["pin_memory"]
     offload_ratio: float = _D["offload_ratio"]

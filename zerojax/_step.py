@@ -28,6 +28,7 @@ from zerojax.monitor import Monitors, monitored
 from zerojax.offload._nvme_step import HostLoopStep
 from zerojax.offload._zenflow import ZenFlowStep
 from zerojax.pipeline import PipelineModel, make_pipeline_step
+from zerojax.runtime._watchdog import watched
 from zerojax.stages._device_step import TrainStep, build_device_step
 from zerojax.stages._update import takes_value
 from zerojax._state import TrainState
@@ -114,10 +115,22 @@ def make_train_step(loss_fn: Callable, state: TrainState, *, has_aux: bool = Fal
     ``monitors``: a :class:`zerojax.monitor.Monitors` (CSV, TensorBoard, wandb, progress lines,
     timings, comms and FLOPs reports); the step is then wrapped in a
     :class:`~zerojax.monitor.MonitoredStep`, whatever its path.
+
+    Every step is watched (:mod:`zerojax.runtime._watchdog`): a step that passes
+    ``ZeroConfig.step_timeout`` ends the process with code 124 after writing every thread's stack
+    and the ledger of its last events; SIGTERM (or ``ZeroConfig.preemption_signal``) saves a
+    checkpoint through the open ``zj.CheckpointManager`` after the step and exits with code 75.
+    ``step_timeout=0`` turns both off.
     """
     if monitors is not None:
         return monitored(make_train_step(loss_fn, state, has_aux=has_aux, donate=donate, check_errors=check_errors,
                                          fused_adam=fused_adam, fused_block_size=fused_block_size), monitors)
+    return watched(_path_step(loss_fn, state, has_aux, donate, check_errors, fused_adam, fused_block_size),
+                   state.plan.config)
+
+
+def _path_step(loss_fn, state, has_aux, donate, check_errors, fused_adam, fused_block_size) -> Step:
+    """The step of the path ``state``'s plan and ``loss_fn`` choose (unwatched)."""
     _check_extra_args(state)
     if isinstance(loss_fn, PipelineModel):  # a pipeline over the mesh's "pipe" axis (zerojax.pipeline)
         return make_pipeline_step(loss_fn, state, donate=donate, check_errors=check_errors, has_aux=has_aux,

@@ -28,6 +28,7 @@ from zerojax.checkpoint._integrity import portable, seal
 from zerojax.checkpoint._steps import _scan, partial_dirs, pick_step, read_data, read_meta, read_state
 from zerojax._errors import CheckpointError, ConfigError, ZeroJaxError, ZeroJaxWarning
 from zerojax._state import TrainState
+from zerojax.runtime import _watchdog
 
 __all__ = ["LATEST_INTACT", "CheckpointManager", "intact_steps", "restore"]
 
@@ -148,7 +149,7 @@ class CheckpointManager:
     """
 
     def __init__(self, directory, max_to_keep: int | None = None, best_metric: str | None = None,
-                 best_mode: str = "min", async_save: bool = True):
+                 best_mode: str = "min", async_save: bool = True, preemption_data_state=None):
         if best_mode not in ("min", "max"):
             raise ConfigError(f"best_mode={best_mode!r}: use 'min' or 'max'")
         if max_to_keep is not None and (isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int)
@@ -172,6 +173,12 @@ class CheckpointManager:
             raise CheckpointError(f"cannot use checkpoint directory {self.directory}: {_cause(e)}") from e
         self._pending_16bit: list[tuple[int, str]] = []
         self._writing: int | None = None  # the step whose asynchronous write may still run
+        if preemption_data_state is not None and not callable(preemption_data_state):
+            raise ConfigError(f"preemption_data_state={preemption_data_state!r}: pass a function of the step "
+                              "returning the data_state dict to save with a preemption checkpoint")
+        self._preemption_data_state = preemption_data_state
+        self.closed = False
+        _watchdog.register_manager(self)  # a preemption signal saves through the manager opened last
 
     # ---------------------------------------------------------------------------- writing
     def _failed(self, step: int, e: BaseException) -> CheckpointError:
@@ -239,7 +246,9 @@ class CheckpointManager:
         args = ocp.args.Composite(**{STATE: ocp.args.PyTreeSave(tree), META: ocp.args.JsonSave(meta),
                                      DATA: ocp.args.JsonSave(data_state)})
         self._writing = step
-        saved = self._guard(step, lambda: self._mngr.save(step, args=args, metrics=metrics, force=True))
+        _watchdog.record("save begun", detail=f"step {step}")
+        with _watchdog.armed("save"):
+            saved = self._guard(step, lambda: self._mngr.save(step, args=args, metrics=metrics, force=True))
         if saved and state.plan.config.gather_16bit_weights_on_model_save:
             cdt = np.dtype(state.plan.compute_dtype)
             self._pending_16bit.append((step, "bfloat16" if cdt.itemsize == 4 else cdt.name))
@@ -249,7 +258,10 @@ class CheckpointManager:
         """Wait for the write in flight; once it succeeded (or with ``clean``, before a new
         save), remove the partial directories of earlier failed or killed saves; then write
         the 16-bit copies."""
-        self._guard(self._writing, self._mngr.wait_until_finished)
+        with _watchdog.armed("save"):
+            self._guard(self._writing, self._mngr.wait_until_finished)
+        if self._writing is not None:
+            _watchdog.record("save committed", detail=f"step {self._writing}")
         if self._writing is not None or clean:
             self._writing = None
             self.cleanup()
@@ -269,6 +281,22 @@ class CheckpointManager:
                     consolidate(self.directory, out, dtype=dtype, step=step, progress=False)
                 except OSError as e:
                     raise CheckpointError(f"the 16-bit copy {out} could not be written: {_cause(e)}") from e
+
+    @property
+    def writing(self) -> int | None:
+        """The step whose asynchronous write may still be running (None: none)."""
+        return self._writing
+
+    def preemption_data_state(self, step: int) -> dict:
+        """The data_state saved with a preemption checkpoint at ``step``: the manager's
+        ``preemption_data_state(step)``, else ``{"preempted_at": step}``."""
+        if self._preemption_data_state is None:
+            return {"preempted_at": int(step)}
+        data = self._preemption_data_state(int(step))
+        if not isinstance(data, dict):
+            raise CheckpointError(f"preemption_data_state({step}) returned {type(data).__name__}; it must return "
+                                  "a dict (the data_state saved with the preemption checkpoint)")
+        return data
 
     def wait_until_finished(self) -> None:
         """Block until the write in flight is on disk (a CheckpointError if it failed)."""
@@ -314,6 +342,8 @@ class CheckpointManager:
         try:
             self.wait_until_finished()
         finally:
+            self.closed = True
+            _watchdog.unregister_manager(self)
             self._mngr.close()
 
     def __enter__(self):

@@ -31,8 +31,9 @@ class TrainingArgs:
 
     Defaults are Hugging Face's. Any object with these attributes works in their place.
     ``max_steps=-1`` means unknown: "auto" total_num_steps then needs an explicit number.
-    The last six are accelerate's DeepSpeed-plugin settings (None: not given); they fill
-    "auto" in ``zero_optimization``.
+    The next six are accelerate's DeepSpeed-plugin settings (None: not given); they fill
+    "auto" in ``zero_optimization``. ``ddp_timeout`` (Hugging Face's, in seconds; None: not
+    given) becomes ``ZeroConfig.step_timeout``, the step watchdog's deadline.
     """
 
     per_device_train_batch_size: int = 8
@@ -54,6 +55,7 @@ class TrainingArgs:
     offload_optimizer_nvme_path: Optional[str] = None
     offload_param_nvme_path: Optional[str] = None
     zero3_save_16bit_model: Optional[bool] = None
+    ddp_timeout: Optional[float] = None  # seconds; the step watchdog's deadline (None: DEEPSPEED_TIMEOUT or 1800)
 
     @classmethod
     def from_dict(cls, values: dict) -> "TrainingArgs":

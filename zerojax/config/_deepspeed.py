@@ -307,6 +307,9 @@ def deepspeed_fields(path_or_dict, training_args=None, world_size: Optional[int]
     default is 0.0, off); write ``"gradient_clipping": 0`` to disable clipping.
     """
     fields, v = read_deepspeed(path_or_dict, training_args, world_size, hidden_size)
+    timeout = getattr(training_args, "ddp_timeout", None)  # Hugging Face's collective timeout, in seconds
+    if timeout is not None:
+        fields["step_timeout"] = timeout
     for message in v.deprecated:
         warnings.warn(message, DeprecatedKeyWarning, stacklevel=3)
     v.raise_refused()

@@ -116,6 +116,19 @@ def device(v):
     return v
 
 
+def signal_name(v):
+    """A signal by name ("SIGUSR1" or "USR1"), normalised to "SIGUSR1"."""
+    import signal as _signal
+
+    if not isinstance(v, str) or not v:
+        raise Invalid("a signal name such as 'SIGUSR1'")
+    full = v.upper() if v.upper().startswith("SIG") else "SIG" + v.upper()
+    if full in ("SIGKILL", "SIGSTOP", "SIGUSR2") or not isinstance(getattr(_signal, full, None), _signal.Signals):
+        raise Invalid("a signal a process can catch, such as 'SIGUSR1' (not SIGKILL, SIGSTOP or SIGUSR2, "
+                      "which the watchdog uses for stack dumps)")
+    return full
+
+
 def did_you_mean(key: str, known, fallback: bool = True) -> str:
     """A hint naming the closest known key; without one, the known keys (or "" if not ``fallback``)."""
     close = difflib.get_close_matches(str(key), list(known), n=1, cutoff=0.5)
@@ -286,6 +299,17 @@ FIELDS: dict[str, FieldSpec] = {f.name: f for f in (
     FieldSpec("pin_memory", True, boolean, "use true or false", (f"{_OO}.pin_memory", f"{_OP}.pin_memory")),
     FieldSpec("offload_ratio", 1.0, number(0, 1, lo_open=True), "use 1.0 (offload everything) or a fraction",
               (f"{_OO}.ratio",)),
+    # the watchdog and preemption (zerojax.runtime._watchdog)
+    FieldSpec("step_timeout", None, optional(number(0)), "use a number of seconds (0 turns the watchdog off)",
+              doc="no DeepSpeed key: seconds a step may take before the watchdog dumps every stack and ends the "
+                  "process with code 124; None: DEEPSPEED_TIMEOUT (minutes) from the environment, else 1800; "
+                  "zj.initialize takes training_args.ddp_timeout; tightens to max(120 s, 20 x the median step) "
+                  "after 3 steps; 0: off"),
+    FieldSpec("first_step_timeout", None, optional(number(0)), "use a number of seconds",
+              doc="no DeepSpeed key: the deadline of the first step and of any compile (None: 2 x step_timeout)"),
+    FieldSpec("preemption_signal", None, optional(signal_name), "use a signal name such as 'SIGUSR1'",
+              doc="no DeepSpeed key: a signal that, like SIGTERM, makes the step save a checkpoint and exit "
+                  "with code 75 (SLURM's --signal=USR1@60); ZEROJAX_PREEMPTION_SIGNAL in the environment"),
     # blocks a DeepSpeed file carried beyond the engine, kept resolved
     FieldSpec("optimizer", None, optional(mapping), 'use {"type": "AdamW", "params": {...}}', ("optimizer",)),
     FieldSpec("scheduler", None, optional(mapping), 'use {"type": "WarmupLR", "params": {...}}', ("scheduler",)),

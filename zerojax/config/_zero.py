@@ -70,6 +70,10 @@ class ZeroConfig:
     nvme_path: Optional[str] = _D["nvme_path"]
     pin_memory: bool = _D["pin_memory"]
     offload_ratio: float = _D["offload_ratio"]
+    # --- production runs (zerojax.runtime._watchdog) ---------------------------------
+    step_timeout: Optional[float] = _D["step_timeout"]  # None: DEEPSPEED_TIMEOUT minutes, else 1800 s; 0: off
+    first_step_timeout: Optional[float] = _D["first_step_timeout"]  # None: 2 x step_timeout
+    preemption_signal: Optional[str] = _D["preemption_signal"]  # besides SIGTERM, e.g. "SIGUSR1"
     # --- what a DeepSpeed file carried beyond the engine (resolved blocks) -----------
     optimizer: Optional[dict] = _D["optimizer"]
     scheduler: Optional[dict] = _D["scheduler"]

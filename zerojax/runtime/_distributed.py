@@ -46,6 +46,7 @@ from zerojax._compat import backends_are_initialized, distributed_is_initialized
 from zerojax._errors import BatchError, ConfigError, DistributedError
 from zerojax._mesh import DATA
 from zerojax._plan import path_str
+from zerojax.runtime import _watchdog
 
 COORDINATOR = "ZEROJAX_COORDINATOR"
 NUM_PROCESSES = "ZEROJAX_NUM_PROCESSES"
@@ -355,6 +356,10 @@ def shard_batch(local_batch, mesh: Mesh, data_axis: str = DATA, *, check: bool =
             f"{len(positions)} rows")
     if check and jax.process_count() > 1:
         described = ", ".join(f"{n}: {x.shape[1:]} {x.dtype}" for n, x in zip(names, arrays))
-        _check_processes(local_rows, zlib.crc32(described.encode()) & 0x7FFFFFFF, described)
+        _watchdog.record("batch check", detail=f"{local_rows} rows")
+        with _watchdog.armed("batch"):  # a collective: a process that never comes holds this one here
+            _check_processes(local_rows, zlib.crc32(described.encode()) & 0x7FFFFFFF, described)
     sharding = NamedSharding(mesh, P(data_axis))
-    return treedef.unflatten([jax.make_array_from_process_local_data(sharding, x) for x in arrays])
+    placed = treedef.unflatten([jax.make_array_from_process_local_data(sharding, x) for x in arrays])
+    _watchdog.record("batch placed", detail=f"{local_rows} rows")
+    return placed

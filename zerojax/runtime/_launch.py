@@ -36,6 +36,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
@@ -44,8 +45,11 @@ from typing import IO
 from zerojax._compat import backends_are_initialized
 from zerojax._errors import DistributedError, LaunchError
 from zerojax.runtime._distributed import COORDINATOR, INIT_TIMEOUT, LOCAL_DEVICES, LOCAL_RANK, NUM_PROCESSES, PROCESS_ID, split_address
+from zerojax.runtime._watchdog import (PREEMPTED_EXIT, PREEMPTION_SIGNAL, STUCK_EXIT, WATCHDOG_DIR, behind,
+                                       ledger_path, read_ledger)
 
 LOCAL_WORLD_SIZE = "ZEROJAX_LOCAL_WORLD_SIZE"
+RESTART = "ZEROJAX_RESTART"  # 0 on the first start of the job, K on its K-th restart (--max-restarts)
 DEFAULT_PORT = 29500
 TAIL_LINES = 20
 FORWARDED_PREFIXES = ("ZEROJAX_", "JAX_", "XLA_", "NCCL_")
@@ -181,7 +185,7 @@ def plan_ranks(script: str, script_args: Sequence[str], *, nproc: int | None = N
                devices_per_proc: int | None = None, coordinator: str | None = None,
                hosts: list[Host] | None = None, init_timeout: float | None = None,
                python: str = sys.executable, cwd: str | None = None, ssh: str = "ssh", grace: float = 5.0,
-               environ=None) -> list[Rank]:
+               environ=None, extra_env: dict | None = None) -> list[Rank]:
     """Every rank's host, environment and command (nothing is started)."""
     environ = os.environ if environ is None else environ
     cwd = os.getcwd() if cwd is None else cwd
@@ -201,7 +205,8 @@ def plan_ranks(script: str, script_args: Sequence[str], *, nproc: int | None = N
     for host, count, here in zip(hosts, counts, local):
         for local_rank in range(count):
             env = {COORDINATOR: coordinator, NUM_PROCESSES: str(world), PROCESS_ID: str(rank),
-                   LOCAL_RANK: str(local_rank), LOCAL_WORLD_SIZE: str(count), "PYTHONUNBUFFERED": "1"}
+                   LOCAL_RANK: str(local_rank), LOCAL_WORLD_SIZE: str(count), "PYTHONUNBUFFERED": "1",
+                   **(extra_env or {})}
             if devices_per_proc:
                 env[LOCAL_DEVICES] = str(devices_per_proc)
                 env["XLA_FLAGS"] = with_device_count(environ.get("XLA_FLAGS", ""), devices_per_proc)
@@ -284,13 +289,19 @@ def _stop(children: list[_Child], grace: float) -> None:
 
 
 def supervise(ranks: list[Rank], grace: float = 5.0, out: IO[str] | None = None,
-              err: IO[str] | None = None) -> int:
-    """Start ``ranks``, relay their output and wait; returns 0 only when every rank succeeded."""
+              err: IO[str] | None = None, watchdog_dir: str | None = None, interrupted: list | None = None,
+              preempt_grace: float = 120.0) -> int:
+    """Start ``ranks``, relay their output and wait; returns 0 only when every rank succeeded.
+
+    ``watchdog_dir``: where the ranks' ledgers and stack dumps are (ZEROJAX_WATCHDOG_DIR); when a
+    rank's watchdog ends it (exit code 124) the others are asked for their stacks and the
+    launcher says which process is behind. ``interrupted`` receives the signals the launcher
+    itself was sent (forwarded to every rank)."""
     out = sys.stdout if out is None else out
     err = sys.stderr if err is None else err
     lock = threading.Lock()
     children: list[_Child] = []
-    interrupted: list = []
+    interrupted = [] if interrupted is None else interrupted
 
     def forward(signum, _frame):
         interrupted.append(signum)
@@ -299,12 +310,12 @@ def supervise(ranks: list[Rank], grace: float = 5.0, out: IO[str] | None = None,
 
     handlers = {}
     if threading.current_thread() is threading.main_thread():
-        for s in (signal.SIGINT, signal.SIGTERM):
+        for s in (signal.SIGINT, signal.SIGTERM, *_extra_signals()):
             handlers[s] = signal.signal(s, forward)
     try:
         for r in ranks:
             children.append(_Child(r, out, lock))
-        return _wait(children, grace, interrupted, err, lock)
+        return _wait(children, grace, interrupted, err, lock, watchdog_dir, preempt_grace)
     finally:
         if any(c.proc.poll() is None for c in children):
             _stop(children, grace)
@@ -316,7 +327,43 @@ def supervise(ranks: list[Rank], grace: float = 5.0, out: IO[str] | None = None,
             signal.signal(s, h)
 
 
-def _wait(children: list[_Child], grace: float, interrupted: list, err: IO[str], lock) -> int:
+def _extra_signals() -> list:
+    """The preemption signal the ranks are told of (ZEROJAX_PREEMPTION_SIGNAL), forwarded like SIGTERM."""
+    name = os.environ.get(PREEMPTION_SIGNAL, "")
+    full = name.upper() if name.upper().startswith("SIG") else "SIG" + name.upper()
+    sig = getattr(signal, full, None) if name else None
+    return [sig] if isinstance(sig, signal.Signals) and sig not in (signal.SIGINT, signal.SIGTERM) else []
+
+
+def _diagnose(children: list[_Child], stuck: _Child, watchdog_dir: str | None, say) -> None:
+    """After a rank's watchdog ended it: ask the others for their stacks (SIGUSR2), read every
+    rank's ledger and say where each process is and which is behind."""
+    if not watchdog_dir:
+        return
+    for c in children:
+        if c is not stuck and not c.rank.remote and c.proc.poll() is None and hasattr(signal, "SIGUSR2"):
+            c.signal(signal.SIGUSR2)
+    time.sleep(0.5)  # the stack dumps are written by the ranks' signal handlers
+    ledgers = {}
+    for c in children:
+        path = ledger_path(watchdog_dir, c.rank.rank)
+        try:
+            ledgers[c.rank.rank] = read_ledger(path)[1]
+        except (OSError, ValueError):
+            say(f"process {c.rank.rank} left no ledger at {path}")
+    late, lines, verdicts = behind(ledgers)
+    say("where each process is, from its ledger:\n" + "\n".join(f"  | {line}" for line in lines))
+    for v in verdicts:
+        say(v)
+    if not late and ledgers:
+        say("no process is behind by its ledger: every one is inside the same step; their stacks tell where")
+    files = sorted(f for f in os.listdir(watchdog_dir) if f.endswith(".txt")) if os.path.isdir(watchdog_dir) else []
+    if files:
+        say(f"stacks and ledgers in {watchdog_dir}: {', '.join(files)}")
+
+
+def _wait(children: list[_Child], grace: float, interrupted: list, err: IO[str], lock,
+          watchdog_dir: str | None = None, preempt_grace: float = 120.0) -> int:
     def say(text):
         with lock:
             err.write(f"zerojax launch: {text}\n")
@@ -334,16 +381,27 @@ def _wait(children: list[_Child], grace: float, interrupted: list, err: IO[str],
             done = None
         if interrupted:
             if stop_at is None:
-                say(f"{signal.Signals(interrupted[0]).name} forwarded to every rank; waiting up to {grace:g} s "
-                    "for them to stop")
-                stop_at = time.monotonic() + grace
+                wait = grace if interrupted[0] == signal.SIGINT else max(grace, preempt_grace)
+                say(f"{signal.Signals(interrupted[0]).name} forwarded to every rank; waiting up to {wait:g} s "
+                    "for them to stop" + ("" if interrupted[0] == signal.SIGINT else
+                                          " (a preempted rank saves a checkpoint, then exits with code "
+                                          f"{PREEMPTED_EXIT})"))
+                stop_at = time.monotonic() + wait
             if running == 0 or time.monotonic() > stop_at:
                 _stop(children, grace)
                 return 128 + interrupted[0]
         elif done is not None and done.proc.returncode != 0:
             code = done.proc.returncode
-            say(f"rank {done.rank.rank} (host {done.rank.host}) {_describe(code)}; "
+            why = {STUCK_EXIT: " (its watchdog: a step passed its deadline)",
+                   PREEMPTED_EXIT: " (preempted: a checkpoint was committed)"}.get(code, "")
+            say(f"rank {done.rank.rank} (host {done.rank.host}) {_describe(code)}{why}; "
                 f"stopping the other {running} running rank(s)")
+            if code == STUCK_EXIT:
+                _diagnose(children, done, watchdog_dir, say)
+            elif code == PREEMPTED_EXIT:  # the others are saving the same step: let them finish
+                deadline = time.monotonic() + max(grace, 60.0)
+                while any(c.proc.poll() is None for c in children) and time.monotonic() < deadline:
+                    time.sleep(0.05)
             _stop(children, grace)
             done.reader.join(timeout=2.0)
             lines = "\n".join(f"  | {line}" for line in done.tail) or "  | (no output)"
@@ -375,6 +433,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grace", type=float, default=5.0,
                    help="seconds between SIGTERM and SIGKILL when stopping the processes (default 5)")
     p.add_argument("--ssh", default="ssh", help="the ssh command for remote hosts (default: ssh)")
+    p.add_argument("--max-restarts", type=int, default=0,
+                   help="start the whole job again up to K times after it failed (a rank stuck, killed or "
+                        "crashed); the script resumes from its latest checkpoint. Not after a preemption "
+                        f"(exit {PREEMPTED_EXIT}) or a signal to the launcher (default 0)")
+    p.add_argument("--watchdog-dir", default=None,
+                   help="where the ranks keep their ledgers and write stack dumps (ZEROJAX_WATCHDOG_DIR; default: "
+                        "a new temporary directory, or .zerojax-watchdog/ under the working directory with remote "
+                        "hosts)")
+    p.add_argument("--preempt-grace", type=float, default=120.0,
+                   help="seconds the ranks get to save and exit after SIGTERM reaches the launcher (default 120)")
     p.add_argument("script", help="the training script")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
     return p
@@ -390,6 +458,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"--{name.replace('_', '-')} {value}: must be >= 1")
     if args.grace < 0:
         parser.error(f"--grace {args.grace}: must be >= 0")
+    if args.max_restarts < 0:
+        parser.error(f"--max-restarts {args.max_restarts}: must be >= 0")
     try:
         hosts = None
         if args.hostfile:
@@ -398,13 +468,33 @@ def main(argv: Sequence[str] | None = None) -> int:
                     hosts = parse_hostfile(f.read(), args.hostfile)
             except OSError as e:
                 raise LaunchError(f"cannot read --hostfile {args.hostfile!r}: {e}") from None
-        ranks = plan_ranks(args.script, args.script_args, nproc=args.nproc, devices_per_proc=args.devices_per_proc,
-                           coordinator=args.coordinator, hosts=hosts, init_timeout=args.init_timeout, ssh=args.ssh,
-                           grace=args.grace)
     except LaunchError as e:
         print(f"zerojax launch: error: {e}", file=sys.stderr)
         return 2
-    return supervise(ranks, grace=args.grace)
+    remote = hosts is not None and not all(is_local(h.name) for h in hosts)
+    root = args.watchdog_dir or (os.path.join(os.getcwd(), ".zerojax-watchdog", time.strftime("%Y%m%d-%H%M%S"))
+                                 if remote else tempfile.mkdtemp(prefix="zerojax-launch-"))
+    code = 0
+    for attempt in range(args.max_restarts + 1):
+        directory = os.path.join(root, f"attempt{attempt}")
+        os.makedirs(directory, exist_ok=True)
+        try:  # a fresh coordinator port each attempt: the last one's may still be held
+            ranks = plan_ranks(args.script, args.script_args, nproc=args.nproc,
+                               devices_per_proc=args.devices_per_proc, coordinator=args.coordinator, hosts=hosts,
+                               init_timeout=args.init_timeout, ssh=args.ssh, grace=args.grace,
+                               extra_env={WATCHDOG_DIR: directory, RESTART: str(attempt)})
+        except LaunchError as e:
+            print(f"zerojax launch: error: {e}", file=sys.stderr)
+            return 2
+        interrupted: list = []
+        code = supervise(ranks, grace=args.grace, watchdog_dir=directory, interrupted=interrupted,
+                         preempt_grace=args.preempt_grace)
+        if code == 0 or interrupted or code == PREEMPTED_EXIT:
+            return code
+        if attempt < args.max_restarts:
+            print(f"zerojax launch: the job failed (exit code {code}); starting it again (restart {attempt + 1} of "
+                  f"{args.max_restarts}); it resumes from its latest checkpoint", file=sys.stderr, flush=True)
+    return code
 
 
 if __name__ == "__main__":

@@ -1,0 +1,635 @@
+"""The step watchdog, the ledger and preemption: a stuck process is named and ended, a preempted one saves.
+
+Every step ``zj.make_train_step`` builds (on device, host offload, NVMe, ZenFlow, pipeline) is a
+:class:`WatchedStep`. It writes each step's events to this process's :class:`Ledger` (step
+called, dispatched, result ready; compiles, checkpoint saves, preemption) and a thread of the
+process's :class:`Watchdog` checks them against a deadline::
+
+    step called ... dispatched ... result ready         (a second thread waits for the result:
+                                                         the caller's thread is never synchronised)
+
+* The first step, and any compile (from JAX's own monitoring events), has ``first_step_timeout``.
+* Later steps have ``step_timeout`` (DeepSpeed's ``DEEPSPEED_TIMEOUT`` minutes, Hugging Face's
+  ``ddp_timeout`` seconds, default 1800 s) until :data:`WARM_STEPS` steps are measured, then
+  ``min(step_timeout, max(FLOOR, FACTOR x the median step time))``.
+* A checkpoint save (``CheckpointManager.save`` and waiting for a write) has ``step_timeout``.
+* Between steps there is no deadline (evaluation, logging and data loading are the script's), as
+  PyTorch's collective watchdog has none: a process stuck there holds the others inside their
+  step, whose deadlines pass, and the launcher reads its ledger.
+
+When a deadline passes, the watchdog's thread (which does not need the main thread: that one
+may be blocked inside XLA) writes every thread's Python stack and the ledger to one file per
+process, prints a short diagnosis and ends the process with :data:`STUCK_EXIT` (124).
+
+Preemption: SIGTERM, or the signal ``ZeroConfig.preemption_signal`` names (SLURM's
+``--signal=USR1@60``), makes the step finish the step it is in and save a checkpoint through the
+open :class:`zerojax.checkpoint.CheckpointManager` at one step every process agrees on (JAX's
+preemption sync point where ``jax.distributed`` is up, the next step in one process), wait until
+it is committed and exit with :data:`PREEMPTED_EXIT` (75, EX_TEMPFAIL: try again).
+
+Under ``zerojax launch`` (``ZEROJAX_WATCHDOG_DIR`` set) the ledger is a memory-mapped file the
+launcher reads even when the process is blocked or dead, SIGUSR2 dumps every thread's stack into
+the process's stacks file, and the launcher names the process that is behind.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import faulthandler
+import math
+import mmap
+import os
+import signal
+import statistics
+import struct
+import sys
+import tempfile
+import threading
+import time
+import weakref
+from typing import Any, Optional
+
+from zerojax._contract import StepWrapper
+
+__all__ = ["DEFAULT_STEP_TIMEOUT", "Event", "FACTOR", "FLOOR", "Ledger", "PREEMPTED_EXIT", "STUCK_EXIT",
+           "WARM_STEPS", "WATCHDOG_DIR", "Watchdog", "WatchedStep", "behind", "ledger_path", "read_ledger",
+           "record", "resolve_timeouts", "watchdog", "watched"]
+
+STUCK_EXIT = 124  # the watchdog ended a process whose step (or save) passed its deadline
+PREEMPTED_EXIT = 75  # a preemption signal came; a checkpoint was committed (sysexits' EX_TEMPFAIL)
+WATCHDOG_DIR = "ZEROJAX_WATCHDOG_DIR"  # where ledgers and stack dumps go (the launcher sets it)
+PREEMPTION_SIGNAL = "ZEROJAX_PREEMPTION_SIGNAL"  # a signal besides SIGTERM that means preemption
+DEFAULT_STEP_TIMEOUT = 1800.0  # seconds: DeepSpeed's DEEPSPEED_TIMEOUT default (30 minutes), HF's ddp_timeout
+FACTOR = 20.0  # a measured step's deadline: FACTOR x the median step time ...
+FLOOR = 120.0  # ... but never below FLOOR seconds (nor above step_timeout)
+WARM_STEPS = 3  # steps measured before the deadline tightens
+EXIT_GRACE = 60.0  # seconds a preempted process has to unwind after its checkpoint is committed
+
+# ----------------------------------------------------------------------------------------- ledger
+EVENTS = ("step called", "batch check", "batch placed", "dispatched", "host update", "result ready", "compile begun",
+          "compiled", "save begun", "save committed", "preemption notice", "preemption save", "closed",
+          "stuck")
+_CODE = {name: i + 1 for i, name in enumerate(EVENTS)}
+_MAGIC = b"ZJLEDGR1"
+_HEADER = struct.Struct("<8sqqd")  # magic, process index, pid, the step deadline in force (s)
+_RECORD = struct.Struct("<QdqB31s")  # sequence number, wall time, step, event, detail
+_SLOT, _SLOTS, _HEAD = 64, 256, 64
+_SIZE = _HEAD + _SLOT * _SLOTS
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    seq: int
+    time: float  # wall clock (time.time())
+    step: int  # the step the event belongs to: the state's step after it (1-based); 0: before any
+    event: str
+    detail: str = ""
+
+    def line(self, now: Optional[float] = None) -> str:
+        ago = f"  ({now - self.time:7.1f} s ago)" if now is not None else ""
+        at = time.strftime("%H:%M:%S", time.localtime(self.time)) + f".{int(self.time * 1000) % 1000:03d}"
+        detail = f"  {self.detail}" if self.detail else ""
+        return f"{at}{ago}  step {self.step:>6}  {self.event}{detail}"
+
+
+class Ledger:
+    """The last :data:`_SLOTS` events of this process in a fixed-size ring: in memory, or in a
+    memory-mapped file (``path``) that another process can read while this one is blocked or
+    after it died. Recording one event packs 64 bytes into the ring: no system call, no device
+    synchronisation."""
+
+    def __init__(self, path: Optional[str] = None, process: int = 0):
+        self.path = path
+        self._lock = threading.Lock()
+        self._seq = 0
+        if path:
+            with open(path, "w+b") as f:
+                f.truncate(_SIZE)
+                self.buf = mmap.mmap(f.fileno(), _SIZE)
+        else:
+            self.buf = bytearray(_SIZE)
+        self.process = process
+        self.set_deadline(0.0)
+
+    def set_deadline(self, seconds: float) -> None:
+        self.buf[:_HEADER.size] = _HEADER.pack(_MAGIC, self.process, os.getpid(), float(seconds))
+
+    def record(self, event: str, step: int = 0, detail: str = "") -> None:
+        code = _CODE[event]
+        raw = detail.encode("utf-8", "replace")[:31]
+        with self._lock:
+            self._seq += 1
+            off = _HEAD + (self._seq % _SLOTS) * _SLOT
+            self.buf[off:off + _RECORD.size] = _RECORD.pack(self._seq, time.time(), int(step), code, raw)
+
+    def events(self) -> list[Event]:
+        return _parse(bytes(self.buf))
+
+
+def _parse(raw: bytes) -> list[Event]:
+    out = []
+    for i in range(_SLOTS):
+        off = _HEAD + i * _SLOT
+        seq, when, step, code, detail = _RECORD.unpack_from(raw, off)
+        if seq and 0 < code <= len(EVENTS):
+            out.append(Event(seq, when, step, EVENTS[code - 1], detail.rstrip(b"\0").decode("utf-8", "replace")))
+    return sorted(out, key=lambda e: e.seq)
+
+
+def read_ledger(path: str) -> tuple[dict, list[Event]]:
+    """A ledger file's header (``process``, ``pid``, ``deadline``) and its events, oldest first."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    if len(raw) < _SIZE or raw[:8] != _MAGIC:
+        raise ValueError(f"{path} is not a zerojax ledger")
+    _, process, pid, deadline = _HEADER.unpack_from(raw, 0)
+    return {"process": process, "pid": pid, "deadline": deadline}, _parse(raw)
+
+
+def ledger_path(directory: str, process: int) -> str:
+    return os.path.join(directory, f"process{process}.ledger")
+
+
+def stuck_path(directory: str, process: int) -> str:
+    return os.path.join(directory, f"process{process}.stuck.txt")
+
+
+def stacks_path(directory: str, process: int) -> str:
+    return os.path.join(directory, f"process{process}.stacks.txt")
+
+
+# ------------------------------------------------------------------------------- the launcher's view
+_ORDER = {"batch check": 0, "batch placed": 1, "step called": 2, "dispatched": 3, "host update": 3,
+          "result ready": 4}  # how far into step N a process got
+
+
+def _position(events: list[Event]) -> tuple[int, int, Optional[Event]]:
+    """(step, phase, the event): how far a process got."""
+    last = None
+    for e in events:
+        if e.event in _ORDER:
+            last = e
+    if last is None:
+        return (0, _ORDER["result ready"], None)
+    return (last.step, _ORDER[last.event], last)
+
+
+def _where(last: Optional[Event]) -> str:
+    if last is None:
+        return "never entered a step"
+    return {"batch check": f"placing step {last.step}'s batch (checking every process's rows together)",
+            "batch placed": f"about to call step {last.step} (its batch placed)",
+            "step called": f"inside step {last.step} (called, not yet dispatched)",
+            "dispatched": f"waiting for step {last.step}'s result (dispatched)",
+            "host update": f"waiting for step {last.step}'s result (host update done)",
+            "result ready": f"between steps: step {last.step} finished, step {last.step + 1} not begun"}[last.event]
+
+
+def behind(ledgers: dict[int, list[Event]], now: Optional[float] = None) -> tuple[list[int], list[str], list[str]]:
+    """Which processes are behind, from every process's ledger: (their indices, one line per
+    process saying where it is, one verdict line per process behind).
+
+    A process is behind when it got less far than the furthest one: a smaller step, or the same
+    step in an earlier phase (called < dispatched < result ready). When every process got as far,
+    none is named (the stall is inside the step on all of them: their stacks tell where)."""
+    now = time.time() if now is None else now
+    pos = {p: _position(ev) for p, ev in ledgers.items()}
+    if not pos:
+        return [], [], []
+    top = max((s, r) for s, r, _ in pos.values())
+    late = sorted(p for p, (s, r, _) in pos.items() if (s, r) < top)
+    lines, verdicts = [], []
+    for p in sorted(pos):
+        s, r, last = pos[p]
+        since = f" (its last step event {now - last.time:.1f} s ago)" if last else ""
+        lines.append(f"process {p}: {_where(last)}{since}")
+        if p in late:
+            if r == _ORDER["result ready"]:
+                verdicts.append(f"process {p} is behind: it never entered step {s + 1}"
+                                + ("" if s + 1 == top[0] else f" (the others are at step {top[0]})"))
+            else:
+                verdicts.append(f"process {p} is behind: it is still {_where(last)}, while the others are "
+                                + (f"further in step {s}" if s == top[0] else f"at step {top[0]}"))
+    return late, lines, verdicts
+
+
+# ------------------------------------------------------------------------------------ timeouts
+def resolve_timeouts(step_timeout: Optional[float], first_step_timeout: Optional[float],
+                     environ=None) -> tuple[float, float]:
+    """(step deadline, first-step deadline) in seconds; 0 turns the watchdog off.
+
+    ``step_timeout`` None: ``DEEPSPEED_TIMEOUT`` (minutes) from the environment, else
+    :data:`DEFAULT_STEP_TIMEOUT`. ``first_step_timeout`` None: twice the step deadline."""
+    environ = os.environ if environ is None else environ
+    if step_timeout is None:
+        minutes = environ.get("DEEPSPEED_TIMEOUT")
+        step_timeout = DEFAULT_STEP_TIMEOUT
+        if minutes not in (None, ""):
+            try:
+                step_timeout = float(minutes) * 60.0
+            except ValueError:
+                from zerojax._errors import ConfigError
+
+                raise ConfigError(f"DEEPSPEED_TIMEOUT={minutes!r} in the environment is not a number of minutes. "
+                                  "Fix: export DEEPSPEED_TIMEOUT=30 (or unset it)") from None
+    step_timeout = float(step_timeout)
+    first = 2.0 * step_timeout if first_step_timeout is None else float(first_step_timeout)
+    return step_timeout, first
+
+
+# ------------------------------------------------------------------------------------- watchdog
+class Watchdog:
+    """One per process: the ledger, the deadline thread, the result waiter, preemption."""
+
+    def __init__(self):
+        import jax
+
+        self.process = jax.process_index()
+        self.directory = os.environ.get(WATCHDOG_DIR) or None
+        if self.directory:
+            os.makedirs(self.directory, exist_ok=True)
+        self.ledger = Ledger(ledger_path(self.directory, self.process) if self.directory else None, self.process)
+        self._lock = threading.Lock()
+        self.timeout, self.first_timeout = DEFAULT_STEP_TIMEOUT, 2 * DEFAULT_STEP_TIMEOUT
+        self.calls = 0  # the number of the last step called (every process calls them in the same order)
+        self.first: Optional[int] = None  # the state's step when this process called its first step
+        self.inflight: collections.deque = collections.deque()  # (step, monotonic time called)
+        self.last_ready: Optional[float] = None
+        self.durations: collections.deque = collections.deque(maxlen=32)
+        self.armed: dict = {}  # what -> (step, monotonic start, limit): compile, batch, save, exit
+        self.compiled_at: Optional[float] = None  # when the last compile ended (a step's clock restarts)
+        self.ready_queue: collections.deque = collections.deque()
+        self._ready_event = threading.Event()
+        self._wake = threading.Event()
+        self.notice: Optional[int] = None  # the preemption signal received (one process)
+        self.distributed = _distributed_client() is not None
+        self.enabled = False
+        self._stacks = None
+        self._threads_started = False
+
+    # ---------------------------------------------------------------------- configuration
+    def configure(self, timeout: float, first_timeout: float) -> None:
+        with self._lock:
+            self.timeout, self.first_timeout = float(timeout), float(first_timeout)
+            self.enabled = self.timeout > 0
+        if self.enabled:
+            self._start()
+
+    def _start(self) -> None:
+        if self._threads_started:
+            return
+        self._threads_started = True
+        threading.Thread(target=self._watch, name="zerojax-watchdog", daemon=True).start()
+        threading.Thread(target=self._wait_results, name="zerojax-step-results", daemon=True).start()
+        _listen_to_compiles(self)
+        if self.directory and hasattr(signal, "SIGUSR2") and _main_thread():
+            try:  # the launcher asks for every thread's stack with SIGUSR2, even while XLA holds this process
+                self._stacks = open(stacks_path(self.directory, self.process), "w")
+                faulthandler.register(signal.SIGUSR2, file=self._stacks, all_threads=True, chain=False)
+            except (OSError, ValueError, RuntimeError):
+                pass
+
+    # ------------------------------------------------------------------------------ events
+    def record(self, event: str, step: int = 0, detail: str = "") -> None:
+        self.ledger.record(event, step, detail)
+
+    def called(self, state=None) -> int:
+        """Step ``n`` begins: the step's number is the state's step after it (1-based, DeepSpeed's
+        ``global_steps``), read from the state once, on the first call (the state is ready then)."""
+        if self.calls == 0 and self.first is None:
+            try:
+                self.calls = self.first = int(getattr(state, "step", 0))
+            except (TypeError, ValueError):
+                self.first = 0
+        with self._lock:
+            self.calls += 1
+            n = self.calls
+            self.inflight.append((n, time.monotonic()))
+        self.ledger.record("step called", n)
+        return n
+
+    def dispatched(self, n: int, result: Any, detail: str = "") -> None:
+        self.ledger.record("dispatched", n, detail)
+        self.disarm("compile")
+        self.ready_queue.append((n, result))
+        self._ready_event.set()
+
+    def failed(self, n: int) -> None:
+        """The step raised: it is not in flight any more (the error is the caller's)."""
+        with self._lock:
+            self.inflight = collections.deque(x for x in self.inflight if x[0] != n)
+        self.disarm("compile")
+
+    def _ready(self, n: int) -> None:
+        now = time.monotonic()
+        with self._lock:
+            called = next((t for s, t in self.inflight if s == n), None)
+            self.inflight = collections.deque(x for x in self.inflight if x[0] != n)
+            if called is not None and n > (self.first or 0) + 1:
+                self.durations.append(now - max(called, self.last_ready or called))
+            self.last_ready = now
+        self.ledger.record("result ready", n)
+
+    def _wait_results(self) -> None:
+        while True:
+            self._ready_event.wait()
+            self._ready_event.clear()
+            while self.ready_queue:
+                n, result = self.ready_queue.popleft()
+                try:
+                    import jax
+
+                    jax.block_until_ready(result)
+                except Exception:  # noqa: BLE001 - the caller sees the step's error; the step is over
+                    pass
+                self._ready(n)
+
+    # ------------------------------------------------------------------------ deadlines
+    def deadline(self) -> float:
+        """The deadline a step that is not the first has now."""
+        with self._lock:
+            if len(self.durations) < WARM_STEPS:
+                return self.timeout
+            return min(self.timeout, max(FLOOR, FACTOR * statistics.median(self.durations)))
+
+    def arm(self, what: str, step: int, limit: Optional[float] = None) -> None:
+        with self._lock:
+            self.armed[what] = (step, time.monotonic(), self.timeout if limit is None else limit)
+
+    def disarm(self, what: str) -> None:
+        with self._lock:
+            if self.armed.pop(what, None) is not None and what == "compile":
+                self.compiled_at = time.monotonic()
+
+    def overdue(self, now: Optional[float] = None) -> Optional[dict]:
+        """What has passed its deadline, or None."""
+        now = time.monotonic() if now is None else now
+        if not self.enabled:
+            return None
+        with self._lock:
+            armed, inflight = dict(self.armed), list(self.inflight)
+            clocks = [t for t in (self.last_ready, self.compiled_at) if t is not None]
+            first = self.first_timeout
+        for what, (step, start, limit) in armed.items():
+            if limit > 0 and now - start > limit:
+                return {"what": what, "step": step, "waited": now - start, "limit": limit}
+        if inflight and "compile" not in armed:  # a compile inside a step has the compile's deadline
+            n, called = inflight[0]
+            start = max([called] + clocks)
+            opening = n == (self.first or 0) + 1
+            limit = first if opening else self.deadline()
+            if now - start > limit:
+                return {"what": "the first step" if opening else "step", "step": n, "waited": now - start,
+                        "limit": limit}
+        return None
+
+    def _watch(self) -> None:
+        while True:
+            with self._lock:
+                poll = min(1.0, max(0.05, (self.timeout or 1.0) / 20))
+            self._wake.wait(poll)
+            late = self.overdue()
+            if late is not None:
+                self.fire(late)
+            self.ledger.set_deadline(self.deadline() if self.enabled else 0.0)
+
+    def fire(self, late: dict) -> None:  # pragma: no cover - ends the process (tested in child processes)
+        what = late["what"]
+        phase = {"compile": "compiling", "save": "a checkpoint save", "exit": "exiting after a preemption save",
+                 "batch": "placing the batch: every process's rows checked together"}.get(what, "waiting for its result")
+        msg = (f"zerojax watchdog: process {self.process} stuck in step {late['step']} ({phase}) for "
+               f"{late['waited']:.1f} s, over its deadline of {late['limit']:.1f} s")
+        self.ledger.record("stuck", late["step"], f"{what} {late['waited']:.0f}s")
+        directory = self.directory or tempfile.mkdtemp(prefix="zerojax-watchdog-")
+        path = stuck_path(directory, self.process)
+        try:
+            with open(path, "w") as f:
+                f.write(msg + "\n\n")
+                f.write(f"ledger (the last events of process {self.process}, pid {os.getpid()}):\n")
+                now = time.time()
+                for e in self.ledger.events():
+                    f.write("  " + e.line(now) + "\n")
+                f.write("\nevery thread's Python stack (most recent call first):\n")
+                f.flush()
+                faulthandler.dump_traceback(file=f, all_threads=True)
+        except OSError as e:
+            path = f"(not written: {e})"
+        try:
+            sys.stderr.write(f"{msg}; every thread's stack and the ledger: {path}; exiting with code {STUCK_EXIT}\n")
+            sys.stderr.flush()
+            sys.stdout.flush()
+        finally:
+            os._exit(STUCK_EXIT)
+
+    # ---------------------------------------------------------------------- preemption
+    def install_signals(self, extra: Optional[str]) -> None:
+        """Take SIGTERM (where JAX's distributed runtime does not already) and ``extra`` as a
+        preemption notice. A handler the script installed itself is left alone."""
+        if not _main_thread():
+            return
+        names = ["SIGTERM"] + ([extra] if extra and extra != "SIGTERM" else [])
+        for name in names:
+            sig = getattr(signal, name)
+            if signal.getsignal(sig) not in (signal.SIG_DFL, None) and not getattr(signal.getsignal(sig),
+                                                                                    "_zerojax", False):
+                continue
+            if self.distributed and sig == signal.SIGTERM:
+                continue  # JAX's preemption notifier holds SIGTERM and starts the sync-point protocol
+            signal.signal(sig, _handler)
+
+    def preempted(self, n: int) -> bool:
+        """Whether every process is to save now, after its step ``n``."""
+        if self.distributed:
+            from jax.experimental import multihost_utils
+
+            try:
+                return bool(multihost_utils.reached_preemption_sync_point(n))
+            except RuntimeError:  # the preemption service is off: one process's notice is its own
+                return self.notice is not None
+        return self.notice is not None
+
+
+def _handler(signum, _frame):
+    dog = _WATCHDOG
+    if dog is None:
+        return
+    dog.ledger.record("preemption notice", dog.calls, signal.Signals(signum).name)
+    if dog.distributed:  # hand it to JAX's notifier, which agrees on the step with the other processes
+        dog.notice = signum
+        os.kill(os.getpid(), signal.SIGTERM) if signum != signal.SIGTERM else None
+    else:
+        dog.notice = signum
+
+
+_handler._zerojax = True  # type: ignore[attr-defined]
+
+
+def _main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
+def _distributed_client():
+    try:
+        from jax._src import distributed
+
+        return distributed.global_state.client
+    except (ImportError, AttributeError):  # pragma: no cover - a jax without it
+        return None
+
+
+_LISTENING: list = []
+
+
+def _listen_to_compiles(dog: Watchdog) -> None:
+    """A compile (found from JAX's tracing event, ended by its compile or cache-hit event) gets
+    the first step's deadline."""
+    if _LISTENING:
+        return
+    import jax
+
+    from zerojax._compat import CACHE_HIT_EVENT, COMPILE_EVENT, TRACE_EVENTS
+
+    def on_duration(event, duration, **kwargs):
+        d = _WATCHDOG
+        if d is None or not d.enabled:
+            return
+        if event == TRACE_EVENTS[0]:
+            d.arm("compile", d.calls, d.first_timeout)
+            d.record("compile begun", d.calls, str(kwargs.get("fun_name", ""))[:31])
+        elif event == COMPILE_EVENT:
+            d.disarm("compile")
+            d.record("compiled", d.calls, f"{duration:.1f}s")
+
+    def on_event(event, **kwargs):
+        if event == CACHE_HIT_EVENT and _WATCHDOG is not None:
+            _WATCHDOG.disarm("compile")
+
+    jax.monitoring.register_event_duration_secs_listener(on_duration)
+    jax.monitoring.register_event_listener(on_event)
+    _LISTENING.append((on_duration, on_event))
+
+
+_WATCHDOG: Optional[Watchdog] = None
+_CREATE = threading.Lock()
+
+
+def watchdog() -> Watchdog:
+    """This process's watchdog (made on first use)."""
+    global _WATCHDOG
+    with _CREATE:
+        if _WATCHDOG is None:
+            _WATCHDOG = Watchdog()
+        return _WATCHDOG
+
+
+def record(event: str, step: Optional[int] = None, detail: str = "") -> None:
+    """Add an event to this process's ledger, if it has a watchdog (nothing is made for it)."""
+    dog = _WATCHDOG
+    if dog is not None:
+        if step is None:  # a batch is placed for the step to come; anything else belongs to the last one
+            step = dog.calls + (event in ("batch check", "batch placed"))
+        dog.record(event, step, detail)
+
+
+class armed:
+    """``with armed("save"):`` the block has ``step_timeout`` on this process's watchdog (when it has one)."""
+
+    def __init__(self, what: str):
+        self.what = what
+        self.dog = _WATCHDOG
+
+    def __enter__(self):
+        if self.dog is not None and self.dog.enabled:  # a batch is placed for the step to come
+            self.dog.arm(self.what, self.dog.calls + (self.what == "batch"))
+        return self
+
+    def __exit__(self, *exc):
+        if self.dog is not None:
+            self.dog.disarm(self.what)
+
+
+# ------------------------------------------------------------------------------------ the step
+_MANAGERS: list = []  # weak references to the open CheckpointManagers, oldest first
+
+
+def register_manager(mngr) -> None:
+    _MANAGERS.append(weakref.ref(mngr))
+
+
+def unregister_manager(mngr) -> None:
+    _MANAGERS[:] = [r for r in _MANAGERS if r() is not None and r() is not mngr]
+
+
+def open_manager():
+    """The CheckpointManager opened last and not closed, or None."""
+    for ref in reversed(_MANAGERS):
+        m = ref()
+        if m is not None and not getattr(m, "closed", False):
+            return m
+    return None
+
+
+class WatchedStep(StepWrapper):
+    """Any step, with its events in the ledger, its deadline watched and preemption honoured.
+
+    Every other attribute is the wrapped step's (``.plan``, ``.jitted``, ZenFlow's
+    ``.end_epoch()``, NVMe's ``.master()``)."""
+
+    def __init__(self, step, timeout: float, first_timeout: float, preemption_signal: Optional[str] = None):
+        self.step = step
+        self.dog = watchdog()
+        self.dog.configure(timeout, first_timeout)
+        self.dog.install_signals(preemption_signal or os.environ.get(PREEMPTION_SIGNAL) or None)
+
+    def __call__(self, state, batch):
+        dog = self.dog
+        n = dog.called(state)
+        try:
+            new_state, metrics = self.step(state, batch)
+        except BaseException:
+            dog.failed(n)
+            raise
+        dog.dispatched(n, metrics.get("loss") if isinstance(metrics, dict) else metrics)
+        if dog.preempted(n):
+            self._save_and_exit(n, new_state)
+        return new_state, metrics
+
+    def _save_and_exit(self, n: int, state) -> None:
+        dog = self.dog
+        name = signal.Signals(dog.notice).name if dog.notice else "SIGTERM"
+        mngr = open_manager()
+        lead = dog.process == 0
+        if mngr is None:
+            if lead:
+                print(f"zerojax: {name} received (preemption): no zj.CheckpointManager is open in this process, so "
+                      f"nothing was saved after step {n}; exiting with code {PREEMPTED_EXIT}. Open a "
+                      "CheckpointManager before the training loop to have the step saved", file=sys.stderr,
+                      flush=True)
+            raise SystemExit(PREEMPTED_EXIT)
+        at = int(state.step)
+        dog.record("preemption save", n, f"step {at} {name}")
+        if at not in mngr.all_steps() and mngr.writing != at:
+            mngr.save(at, state, data_state=mngr.preemption_data_state(at))
+        mngr.wait_until_finished()
+        if lead:
+            print(f"zerojax: {name} received (preemption): saved step {at} to {mngr.directory} (committed); "
+                  f"exiting with code {PREEMPTED_EXIT}. Run the same command again to resume from it",
+                  file=sys.stderr, flush=True)
+        dog.arm("exit", n, min(EXIT_GRACE, dog.timeout))
+        raise SystemExit(PREEMPTED_EXIT)
+
+    def lower(self, state, batch):
+        return self.step.lower(state, batch)
+
+    def close(self) -> None:
+        self.dog.record("closed", self.dog.calls)
+        self.step.close()
+
+
+def watched(step, config):
+    """``step`` watched under ``config``'s deadlines (``step_timeout=0``: returned as it is)."""
+    timeout, first = resolve_timeouts(getattr(config, "step_timeout", None),
+                                      getattr(config, "first_step_timeout", None))
+    if timeout <= 0:
+        return step
+    return WatchedStep(step, timeout, first, getattr(config, "preemption_signal", None))

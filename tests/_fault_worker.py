@@ -7,9 +7,10 @@ The faults are injected from outside the training code, on the job's first start
 (ZEROJAX_RESTART unset or 0):
 
 * ``--stall RANK:STEP``: process RANK stops (sleeps) in step STEP's iteration, before the step;
-* ``--term-launcher-at STEP``: process 0 sends SIGTERM to its launcher after step STEP;
-* ``--term-during-save STEP``: process 0 sends SIGTERM to its launcher right after starting the
-  asynchronous save of step STEP (its write is in flight).
+* ``--term-at STEP``: process 0 sends SIGTERM to its launcher (to itself when run alone) after
+  step STEP;
+* ``--term-during-save STEP``: the same, right after starting the asynchronous save of step STEP
+  (its write is in flight).
 
 Step STEP is the state's step after it (1-based). The final params go to ``--out`` (npz) from process 0.
 """
@@ -66,8 +67,10 @@ def main(argv=None) -> None:
     p.add_argument("--stage", type=int, default=2)
     p.add_argument("--step-timeout", type=float, default=None)
     p.add_argument("--stall", default=None)
-    p.add_argument("--term-launcher-at", type=int, default=None)
+    p.add_argument("--first-step-timeout", type=float, default=None)
+    p.add_argument("--term-at", type=int, default=None)
     p.add_argument("--term-during-save", type=int, default=None)
+    p.add_argument("--step-seconds", type=float, default=0.0, help="host work after each step (a data loader)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     first_start = os.environ.get("ZEROJAX_RESTART", "0") == "0"
@@ -76,7 +79,8 @@ def main(argv=None) -> None:
     zj.distributed.initialize()
     rank = jax.process_index()
     mesh = zj.make_mesh()
-    cfg = zj.ZeroConfig(stage=args.stage, step_timeout=args.step_timeout)
+    cfg = zj.ZeroConfig(stage=args.stage, step_timeout=args.step_timeout, first_step_timeout=args.first_step_timeout)
+    target = os.getppid() if "ZEROJAX_PROCESS_ID" in os.environ else os.getpid()  # the launcher, or this process
     state = zj.shard_train_state(init, optax.adamw(1e-2), mesh=mesh, config=cfg, rng=jax.random.PRNGKey(0))
     mngr = zj.CheckpointManager(args.ckpt)
     if mngr.latest_step() is not None:
@@ -91,14 +95,15 @@ def main(argv=None) -> None:
         batch = zj.distributed.shard_batch(local_rows(global_batch(i)), mesh)
         state, metrics = step(state, batch)
         print(f"step {n} loss {float(metrics['loss']):.6f}", flush=True)
+        time.sleep(args.step_seconds)
         if n % args.save_every == 0 and n < args.steps:
             mngr.save(n, state)
             if first_start and rank == 0 and args.term_during_save == n:
-                print(f"SIGTERM to the launcher while step {n}'s save is written", flush=True)
-                os.kill(os.getppid(), signal.SIGTERM)
-        if first_start and rank == 0 and args.term_launcher_at == n:
-            print(f"SIGTERM to the launcher after step {n}", flush=True)
-            os.kill(os.getppid(), signal.SIGTERM)
+                print(f"SIGTERM while step {n}'s save is written (in flight: {mngr.writing == n})", flush=True)
+                os.kill(target, signal.SIGTERM)
+        if first_start and rank == 0 and args.term_at == n:
+            print(f"SIGTERM after step {n}", flush=True)
+            os.kill(target, signal.SIGTERM)
     if args.steps not in mngr.all_steps():
         mngr.save(args.steps, state)
     mngr.close()

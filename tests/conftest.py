@@ -218,6 +218,8 @@ BUDGET = {
                                          "(a killed worker, a failing rank, Ctrl-C, torchrun's variables)",
     "tests/test_autotp.py": "62 s: Hugging Face GPT-2 and Llama trained under AutoTP at stages 1-3, and the "
                             "AutoTP benchmark's smoke run (21 s)",
+    "tests/runtime/test_faults.py": "75 s idle: 10 launched jobs of 1-2 processes (a stuck process with its 8 s "
+                                    "deadline and a restart, SIGTERM at a step and during a save, each resumed)",
 }
 
 

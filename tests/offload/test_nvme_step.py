@@ -41,7 +41,7 @@ def check_nvme_training(path, stage):
     state = nvme_state(path, stage=stage, gradient_clipping=CLIP)
     assert state.master is None and state.opt_state is None  # nothing of the optimizer in memory
     step = zj.make_train_step(loss_fn, state)
-    assert isinstance(step, HostLoopStep)
+    assert isinstance(step.step, HostLoopStep)  # inside the watchdog's wrapper
     norms = []
     try:
         for b in data:

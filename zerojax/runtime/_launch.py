@@ -389,6 +389,14 @@ def _wait(children: list[_Child], grace: float, interrupted: list, err: IO[str],
                 stop_at = time.monotonic() + wait
             if running == 0 or time.monotonic() > stop_at:
                 _stop(children, grace)
+                codes = {c.proc.returncode for c in children}
+                if codes == {0}:
+                    say("every rank finished before the signal took effect")
+                    return 0
+                if codes == {PREEMPTED_EXIT}:
+                    say(f"every rank saved its checkpoint and exited with code {PREEMPTED_EXIT} (preempted); run the "
+                        "same command again to resume")
+                    return PREEMPTED_EXIT
                 return 128 + interrupted[0]
         elif done is not None and done.proc.returncode != 0:
             code = done.proc.returncode

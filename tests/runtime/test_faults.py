@@ -1,0 +1,263 @@
+"""Production faults: a stuck step is caught and named (the watchdog, the ledger, the launcher's
+verdict), a preempted job saves and resumes to the same params as an uninterrupted run.
+
+The runs are tests/_fault_worker.py, a plain training script that resumes from its latest
+checkpoint; the faults are injected from outside its training code."""
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import zerojax as zj
+from zerojax.runtime import _watchdog as wd
+from tests import _fault_worker as worker
+
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(HERE)
+WORKER = os.path.join(HERE, "_fault_worker.py")
+LAUNCH = [sys.executable, "-m", "zerojax", "launch", "--nproc", "2", "--devices-per-proc", "4", "--init-timeout", "120"]
+STEPS = 8
+
+
+def child_env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ZEROJAX_", "DEEPSPEED_TIMEOUT"))}
+    env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f)
+    env.update(JAX_PLATFORMS="cpu", **extra)
+    return env
+
+
+def run(cmd, timeout=240, **env):
+    start = time.monotonic()
+    p = subprocess.run(cmd, cwd=ROOT, env=child_env(**env), capture_output=True, text=True, timeout=timeout)
+    return p.returncode, p.stdout + p.stderr, time.monotonic() - start
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The uninterrupted run's final params, trained here on 8 devices (the same global batches)."""
+    state = zj.shard_train_state(worker.init, optax.adamw(1e-2), mesh=zj.make_mesh(8),
+                                 config=zj.ZeroConfig(stage=2, step_timeout=0), rng=jax.random.PRNGKey(0))
+    step = zj.make_train_step(worker.loss_fn, state)
+    for i in range(STEPS):
+        state, _ = step(state, worker.global_batch(i))
+    return {k: np.asarray(v) for k, v in state.full_params().items()}
+
+
+def assert_equal_to(reference, path):
+    got = np.load(path)
+    for k, v in reference.items():
+        np.testing.assert_allclose(got[k], v, rtol=1e-6, atol=1e-6, err_msg=k)
+
+
+# ------------------------------------------------------------------------------------ the ledger
+def test_ledger_file_is_read_back_while_the_process_lives(tmp_path):
+    path = str(tmp_path / "process3.ledger")
+    ledger = wd.Ledger(path, process=3)
+    for n in range(1, 300):  # more than the ring holds: the oldest go
+        ledger.record("step called", n)
+        ledger.record("dispatched", n, "x" * 40)
+    header, events = wd.read_ledger(path)
+    assert header["process"] == 3 and header["pid"] == os.getpid()
+    assert len(events) == 256 and events[-1].event == "dispatched" and events[-1].step == 299
+    assert events[-1].detail == "x" * 31  # details are cut to the slot
+    assert [e.seq for e in events] == sorted(e.seq for e in events)
+    assert ledger.events() == events
+
+
+def _events(*pairs):
+    return [wd.Event(i + 1, 1000.0 + i, step, name) for i, (step, name) in enumerate(pairs)]
+
+
+def test_the_process_that_never_entered_the_step_is_named():
+    ledgers = {0: _events((4, "result ready"), (5, "batch check")),
+               1: _events((4, "dispatched"), (4, "result ready")),
+               2: _events((5, "batch check"), (5, "batch placed"), (5, "step called"), (5, "dispatched"))}
+    late, lines, verdicts = wd.behind(ledgers, now=1010.0)
+    assert late == [0, 1]
+    assert verdicts[1] == "process 1 is behind: it never entered step 5"
+    assert "process 0 is behind: it is still placing step 5's batch" in verdicts[0]
+    assert lines[2].startswith("process 2: waiting for step 5's result")
+
+
+def test_no_process_is_named_when_all_are_inside_the_same_step():
+    ledgers = {p: _events((5, "step called"), (5, "dispatched")) for p in range(2)}
+    assert wd.behind(ledgers)[0] == []
+
+
+# ------------------------------------------------------------------------------------ deadlines
+def test_timeouts_come_from_the_config_deepspeed_or_hugging_face(monkeypatch):
+    assert wd.resolve_timeouts(None, None, environ={}) == (1800.0, 3600.0)
+    assert wd.resolve_timeouts(None, None, environ={"DEEPSPEED_TIMEOUT": "5"}) == (300.0, 600.0)
+    assert wd.resolve_timeouts(40, 90, environ={"DEEPSPEED_TIMEOUT": "5"}) == (40.0, 90.0)
+    with pytest.raises(zj.ConfigError, match="DEEPSPEED_TIMEOUT"):
+        wd.resolve_timeouts(None, None, environ={"DEEPSPEED_TIMEOUT": "half an hour"})
+    cfg = zj.ZeroConfig.from_deepspeed({"train_batch_size": 8}, world_size=8,
+                                       training_args=zj.TrainingArgs(per_device_train_batch_size=1, ddp_timeout=600))
+    assert cfg.step_timeout == 600.0
+    with pytest.raises(zj.ConfigError, match="step_timeout"):
+        zj.ZeroConfig(step_timeout=-1)
+    with pytest.raises(zj.ConfigError, match="preemption_signal"):
+        zj.ZeroConfig(preemption_signal="SIGKILL")
+    assert zj.ZeroConfig(preemption_signal="usr1").preemption_signal == "SIGUSR1"
+
+
+def test_deadline_tightens_after_measured_steps_with_a_floor():
+    dog = wd.Watchdog()  # not configured: no thread watches it (this test moves its clock by hand)
+    dog.timeout, dog.first_timeout, dog.enabled = 1800.0, 3600.0, True
+    assert dog.deadline() == 1800.0
+    dog.durations.extend([0.5, 0.6, 0.4])
+    assert dog.deadline() == wd.FLOOR  # 20 x 0.5 s is under the floor
+    dog.durations.extend([30.0] * 10)
+    assert dog.deadline() == wd.FACTOR * 30.0
+    dog.durations.extend([500.0] * 30)
+    assert dog.deadline() == 1800.0  # never above step_timeout
+    # the first step of the process has the first step's deadline; a compile suspends a step's
+    dog.first, now = 0, time.monotonic()
+    dog.inflight.append((1, now - 3000.0))
+    assert dog.overdue(now) is None
+    dog.inflight[0] = (1, now - 4000.0)
+    assert dog.overdue(now)["what"] == "the first step"
+    dog.inflight[0] = (2, now - 1900.0)
+    dog.arm("compile", 2, 3600.0)
+    assert dog.overdue(now) is None
+    dog.disarm("compile")
+    assert dog.overdue(now) is None  # the step's clock restarted when its compile ended
+    assert dog.overdue(now + 1801.0)["what"] == "step"
+
+
+def test_step_timeout_zero_turns_the_watchdog_off():
+    state = zj.shard_train_state(worker.init, optax.sgd(0.1), mesh=zj.make_mesh(8),
+                                 config=zj.ZeroConfig(step_timeout=0), rng=jax.random.PRNGKey(0))
+    assert not isinstance(zj.make_train_step(worker.loss_fn, state), wd.WatchedStep)
+    on = zj.shard_train_state(worker.init, optax.sgd(0.1), mesh=zj.make_mesh(8), rng=jax.random.PRNGKey(0))
+    step = zj.make_train_step(worker.loss_fn, on)
+    assert isinstance(step, wd.WatchedStep) and step.plan is on.plan  # the wrapped step's attributes
+
+
+# ------------------------------------------------------------------------------ one process
+def test_stuck_step_dumps_stacks_and_ledger_and_exits_124(tmp_path):
+    """A step that never finishes (a host callback in the loss sleeps): exit 124 soon after the
+    deadline, with every thread's stack (the sleeping callback's frame) and the ledger on file."""
+    script = tmp_path / "stuck.py"
+    script.write_text(
+        "import sys, time\n"
+        f"sys.path.insert(0, {ROOT!r})\n"
+        "import jax\n"
+        "jax.config.update('jax_num_cpu_devices', 8)\n"
+        "import optax, zerojax as zj\n"
+        "from tests import _fault_worker as w\n"
+        "def hang(i):\n"
+        "    if int(i) == 4: time.sleep(600)\n"
+        "def loss(p, b):\n"
+        "    jax.debug.callback(hang, b['i'][0])\n"
+        "    return w.loss_fn(p, b)\n"
+        "state = zj.shard_train_state(w.init, optax.sgd(0.1), mesh=zj.make_mesh(8), rng=jax.random.PRNGKey(0),\n"
+        "                             config=zj.ZeroConfig(step_timeout=3, first_step_timeout=120))\n"
+        "step = zj.make_train_step(loss, state)\n"
+        "for i in range(8):\n"
+        "    state, m = step(state, dict(w.global_batch(i), i=jax.numpy.full((16,), i)))\n"
+        "    print('step', i + 1, float(m['loss']), flush=True)\n")
+    code, out, took = run([sys.executable, str(script)], timeout=120, ZEROJAX_WATCHDOG_DIR=str(tmp_path / "wd"))
+    assert code == wd.STUCK_EXIT, out
+    assert "zerojax watchdog: process 0 stuck in step 5 (waiting for its result)" in out, out
+    assert "\nstep 4 " in out and "\nstep 5 " not in out
+    dump = (tmp_path / "wd" / "process0.stuck.txt").read_text()
+    assert "in hang" in dump  # the sleeping callback's frame
+    assert re.search(r"step +5 +step called", dump) and re.search(r"step +4 +result ready", dump), dump
+    assert took < 60
+
+
+def test_sigterm_saves_the_step_and_a_second_start_resumes_to_the_same_params(tmp_path, reference):
+    ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "final.npz")
+    at = random.Random().randint(1, STEPS - 2)
+    code, log, _ = run([sys.executable, WORKER, "--ckpt", ckpt, "--steps", str(STEPS), "--save-every", "100",
+                        "--term-at", str(at), "--out", out], timeout=120)
+    assert code == wd.PREEMPTED_EXIT, log
+    saved = at + 1  # one process: the step after the notice
+    assert f"saved step {saved} to {ckpt} (committed)" in log, log
+    assert zj.checkpoint.intact_steps(ckpt) == [saved]
+    code, log, _ = run([sys.executable, WORKER, "--ckpt", ckpt, "--steps", str(STEPS), "--out", out], timeout=120)
+    assert code == 0 and f"resumed from step {saved}" in log, log
+    assert_equal_to(reference, out)
+
+
+def test_sigterm_while_a_save_is_written_commits_it_and_saves_the_next(tmp_path, reference):
+    ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "final.npz")
+    code, log, _ = run([sys.executable, WORKER, "--ckpt", ckpt, "--steps", str(STEPS), "--save-every", "4",
+                        "--term-during-save", "4", "--out", out], timeout=120)
+    assert code == wd.PREEMPTED_EXIT, log
+    assert zj.checkpoint.intact_steps(ckpt) == [4, 5], log
+    assert not [d for d in os.listdir(ckpt) if "tmp" in d]  # nothing half-written
+    code, log, _ = run([sys.executable, WORKER, "--ckpt", ckpt, "--steps", str(STEPS), "--out", out], timeout=120)
+    assert code == 0 and "resumed from step 5" in log, log
+    assert_equal_to(reference, out)
+
+
+# ---------------------------------------------------------------------------- two processes
+@pytest.mark.slow
+def test_a_process_stuck_before_step_5_is_named_and_the_restarted_job_finishes(tmp_path, reference):
+    """jax-ml/jax#38503: process 1 stops in step 5's iteration; process 0 waits in a collective.
+    Every process is gone within the deadline + 30 s, the launcher names process 1 and step 5,
+    and with --max-restarts 1 the job resumes from step 4 and ends with the uninterrupted params."""
+    ckpt, out, timeout = str(tmp_path / "ckpt"), str(tmp_path / "final.npz"), 8.0
+    cmd = LAUNCH + ["--max-restarts", "1", "--watchdog-dir", str(tmp_path / "wd"), WORKER, "--ckpt", ckpt,
+                    "--steps", str(STEPS), "--stall", "1:5", "--step-timeout", str(timeout),
+                    "--first-step-timeout", "120", "--out", out]
+    code, log, _ = run(cmd)
+    assert code == 0, log
+    assert "process 1 is behind: it never entered step 5" in log, log
+    assert "restart 1 of 1" in log and "resumed from step 4" in log, log
+    stalled = log.index("process 1 stalls in step 5")
+    assert "exited with code 124" in log[stalled:], log
+    assert os.path.exists(tmp_path / "wd" / "attempt0" / "process0.stuck.txt")
+    assert_equal_to(reference, out)
+
+
+@pytest.mark.slow
+def test_stuck_job_ends_within_the_deadline_without_restarts(tmp_path):
+    timeout = 8.0
+    cmd = LAUNCH + [WORKER, "--ckpt", str(tmp_path / "ckpt"), "--steps", str(STEPS), "--stall", "1:3",
+                    "--step-timeout", str(timeout), "--first-step-timeout", "120"]
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    stalled_at = None
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if "stalls in step 3" in line:
+            stalled_at = time.monotonic()
+    proc.wait(timeout=120)
+    log = "".join(lines)
+    assert proc.returncode == wd.STUCK_EXIT, log
+    assert stalled_at is not None and time.monotonic() - stalled_at < timeout + 30, log
+    assert "process 1 is behind: it never entered step 3" in log, log
+    assert time.monotonic() - start < 120
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("when", ["step", "save"])
+def test_sigterm_to_the_launcher_saves_one_agreed_step_and_the_job_resumes(tmp_path, reference, when):
+    ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "final.npz")
+    at = random.Random().randint(1, 5) if when == "step" else 4
+    fault = ["--term-at", str(at), "--save-every", "100"] if when == "step" else ["--term-during-save", "4"]
+    fault += ["--step-seconds", "0.5"]  # steps of milliseconds would end before the signal reaches the ranks
+    code, log, _ = run(LAUNCH + [WORKER, "--ckpt", ckpt, "--steps", str(STEPS), "--out", out] + fault)
+    assert code == wd.PREEMPTED_EXIT, log
+    assert "every rank saved its checkpoint and exited with code 75" in log, log
+    saved = int(re.search(r"saved step (\d+) to", log).group(1))
+    assert saved > at and zj.checkpoint.intact_steps(ckpt)[-1] == saved, log
+    if when == "save":
+        assert 4 in zj.checkpoint.intact_steps(ckpt)
+    assert not [d for d in os.listdir(ckpt) if "tmp" in d]
+    code, log, _ = run(LAUNCH + [WORKER, "--ckpt", ckpt, "--steps", str(STEPS), "--out", out])
+    assert code == 0 and f"resumed from step {saved}" in log, log
+    assert_equal_to(reference, out)

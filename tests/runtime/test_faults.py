@@ -261,3 +261,13 @@ def test_sigterm_to_the_launcher_saves_one_agreed_step_and_the_job_resumes(tmp_p
     code, log, _ = run(LAUNCH + [WORKER, "--ckpt", ckpt, "--steps", str(STEPS), "--out", out])
     assert code == 0 and f"resumed from step {saved}" in log, log
     assert_equal_to(reference, out)
+
+
+@pytest.mark.slow  # a fresh process compiling the example GPT twice: about 8 s
+def test_benchmark_smoke_prints_the_on_off_ratio():
+    from tests.helpers import run_benchmark
+
+    out = run_benchmark("watchdog.py", "--smoke")
+    ratio = re.search(r"watchdog on / off: ([0-9.]+)x", out)
+    assert ratio and float(ratio.group(1)) > 0, out
+    assert re.search(r"the wrapper's own time on the caller's thread: [0-9.]+ us a step", out), out

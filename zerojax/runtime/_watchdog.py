@@ -301,6 +301,7 @@ class Watchdog:
                 self.calls = self.first = int(getattr(state, "step", 0))
             except (TypeError, ValueError):
                 self.first = 0
+        self.disarm("exit")  # a script that caught the preemption's SystemExit and trains on
         with self._lock:
             self.calls += 1
             n = self.calls
@@ -597,6 +598,7 @@ class WatchedStep(StepWrapper):
     def _save_and_exit(self, n: int, state) -> None:
         dog = self.dog
         name = signal.Signals(dog.notice).name if dog.notice else "SIGTERM"
+        dog.notice = None  # handled: a script that catches the SystemExit and trains on is not stopped again
         mngr = open_manager()
         lead = dog.process == 0
         if mngr is None:

@@ -9,6 +9,7 @@ import pytest
 
 import zerojax as zj
 from zerojax._contract import StepWrapper
+from zerojax.runtime._watchdog import WatchedStep
 from tests.helpers import batches, init_params, loss_fn, max_rel_err
 
 pytestmark = pytest.mark.filterwarnings("ignore::zerojax.IgnoredKeysWarning")
@@ -88,9 +89,11 @@ def test_every_path_keeps_the_step_contract(path, via, tmp_path):
     state, step = build(path, via, tmp_path / "nvme")
     with step:
         assert isinstance(step, zj.Step)
-        inner = step
+        inner, wrappers = step, []
         while isinstance(inner, StepWrapper):  # zj.initialize's batch check and the watchdog wrap the path's step
+            wrappers.append(type(inner))
             inner = inner.step
+        assert WatchedStep in wrappers  # every path is watched
         assert type(inner).__name__ == STEP_TYPES.get(path, "TrainStep")
         good = data(4)
         lowered = step.lower(state, good[0])

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import zerojax._placement as placement
+from zerojax.runtime import _watchdog
 from zerojax._contract import StepBase
 from zerojax._errors import ConfigError
 from zerojax.offload._flat import FlatLayout
@@ -123,6 +124,7 @@ class HostLoopStep(StepBase):
             # a failed write raises NvmeError here; the store keeps its last committed step and
             # the caller's state (not donated) is untouched
             self.store.step(self.grads, self.count, lr=float(hp["learning_rate"]), out16=self.out16)
+            _watchdog.record("host update", detail="nvme")
             flat = self.out16 if self.out16 is not None else self.store.read_master()
             state = state.replace(params=self._place(self.layout.views(flat)))
         new_state = state.replace(step=state.step + 1)

@@ -1,5 +1,5 @@
 """Checkpoint throughput next to the disk's own speed, the cost of a steady-state save, and
-consolidation's peak memory.
+consolidation's and restore's peak memory.
 
     python benchmarks/checkpoint.py                       # 32M params: 384 MB of fp32 state
     python benchmarks/checkpoint.py --width 4096 --dir /nvme/scratch
@@ -12,6 +12,11 @@ copy and the write only (goal: the 3rd at most a quarter of the 1st). The throug
 save's. Restore: onto a 4-device stage-2 mesh. Both are in GB/s of checkpoint bytes, next to numpy writing (with fsync) and reading a
 file of the same size in the same directory. Before each read the page cache of the files
 is dropped (posix_fadvise DONTNEED), so reads come from the disk where the kernel allows it.
+
+Restore memory: a fresh process restores the checkpoint into an abstract stage-3 target with each
+budget (``zj.checkpoint.restore(..., budget=)``; "whole state at once" is a budget larger than
+the state, the read before budgets existed) and reports its RSS growth at the peak against the
+restored state's own bytes. Goal: at most the state + the budget.
 
 Consolidation runs in a fresh process per measurement; its peak resident set (VmHWM)
 minus that of consolidating a tiny checkpoint (imports, runtime, the same code path) is
@@ -108,6 +113,50 @@ def consolidate_peak(ckpt: str, out: str):
     return int(peak), float(seconds)
 
 
+# a fresh process restores the checkpoint into an abstract target (nothing of the state held
+# before) with a budget; a thread samples VmRSS every 2 ms; printed: the growth at the peak and
+# the restored state's own bytes
+RESTORE = """
+import sys, threading, time
+sys.path.insert(0, sys.argv[5])
+import jax, optax
+import zerojax as zj
+from checkpoint import model
+def rss():
+    return int([l for l in open("/proc/self/status") if l.startswith("VmRSS:")][0].split()[1]) * 1024
+target = zj.abstract_train_state(model(int(sys.argv[2]), int(sys.argv[3])), optax.adamw(1e-3), mesh=zj.make_mesh(8),
+                                 config=zj.ZeroConfig(stage=3, precision="bf16", param_persistence_threshold=0))
+budget = int(sys.argv[4])
+base = rss(); peak = [base]; done = []
+def sample():
+    while not done:
+        peak[0] = max(peak[0], rss()); time.sleep(0.002)
+threading.Thread(target=sample, daemon=True).start()
+t = time.perf_counter()
+state, _ = zj.checkpoint.restore(sys.argv[1], target, budget=budget if budget > 0 else None)
+jax.block_until_ready(state)
+seconds = time.perf_counter() - t
+done.append(1); time.sleep(0.01)
+own = sum(x.nbytes for x in jax.tree_util.tree_leaves((state.params, state.master, state.opt_state)))
+print(peak[0] - base, own, seconds)
+"""
+
+
+def restore_peak(ckpt: str, width: int, layers: int, budget: int):
+    """(RSS growth at the peak, the restored state's bytes, seconds) of a restore in a fresh process."""
+    import zerojax
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(zerojax.__file__)))
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8",
+               PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
+    drop_cache(ckpt)
+    res = subprocess.run([sys.executable, "-c", RESTORE, ckpt, str(width), str(layers), str(budget),
+                          os.path.dirname(os.path.abspath(__file__))], env=env, check=True, capture_output=True,
+                         text=True)
+    grow, own, seconds = res.stdout.split()[-3:]
+    return int(grow), int(own), float(seconds)
+
+
 def save_checkpoint(directory: str, width: int, layers: int, saves: int = 3):
     """Save the same state ``saves`` times (steps 1, 2, ...); returns (state, seconds of each
     save + wait, blocking seconds of each save)."""
@@ -177,6 +226,12 @@ def main() -> None:
         _, small_s, small_b = save_checkpoint(small, small_width, small_layers)
         small_bytes = du(os.path.join(small, str(len(small_s))))
 
+        step_dir = os.path.join(ckpt, str(len(saves_s)))
+        budgets = [(name, b) for name, b in (("whole state at once", 1 << 40), ("default, 1 GiB", 0),
+                                             ("256 MiB", 256 << 20), ("64 MiB", 64 << 20))
+                   if not args.smoke or name.startswith("default")]
+        memory = {name: restore_peak(ckpt, args.width, args.layers, b) for name, b in budgets}
+        del step_dir
         peak, cons_s = consolidate_peak(ckpt, os.path.join(root, "model.safetensors"))
         if args.smoke:  # the checkpoint is tiny already: it is its own baseline (one child process)
             base = peak
@@ -199,6 +254,8 @@ def main() -> None:
             "consolidate_s": cons_s, "consolidate_peak_minus_baseline_MB": (peak - base) / 1e6,
             "largest_leaf_MB": largest / 1e6, "params_MB": params_bytes / 1e6,
             "peak_over_largest_leaf": (peak - base) / largest,
+            "restore_memory": {name: {"growth_MB": g / 1e6, "state_MB": o / 1e6, "seconds": t}
+                               for name, (g, o, t) in memory.items()},
         }
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -215,6 +272,11 @@ def main() -> None:
     print(f"  save     {figures['save_GBps']:.2f} GB/s, 3rd save (blocking part {blocking * 1e3:.0f} ms)   "
           f"disk write {disk_w:.2f} GB/s (numpy + fsync)")
     print(f"  restore  {figures['restore_GBps']:.2f} GB/s onto 4 devices, stage 2   disk read {disk_r:.2f} GB/s")
+    for name, (grow, own, secs) in memory.items():
+        budget = dict(budgets)[name] or (1 << 30)
+        bound = "" if budget >= 1 << 40 else f"; state + budget {(own + budget) / 1e6:.0f} MB"
+        print(f"  restore memory, budget {name}: RSS grew {grow / 1e6:.0f} MB = {grow / own:.2f}x the restored "
+              f"state ({own / 1e6:.0f} MB){bound}; {nbytes / secs / 1e9:.2f} GB/s (fresh process, cold cache)")
     print(f"consolidate {params_bytes / 1e6:.0f} MB of params in {cons_s:.1f} s: peak RSS "
           f"{(peak - base) / 1e6:.0f} MB above baseline ({base / 1e6:.0f} MB) = "
           f"{figures['peak_over_largest_leaf']:.2f}x the largest leaf ({largest / 1e6:.0f} MB; goal <= 3x)")

@@ -65,6 +65,7 @@ into ``DIR/<step>/model_16bit.safetensors`` (the compute dtype, or bfloat16 unde
 from __future__ import annotations
 
 import collections
+import dataclasses
 from typing import Any
 
 import jax
@@ -271,6 +272,14 @@ def _check_target(meta: dict, plan: ZeroPlan, opt) -> None:
 
 def restore_spec(meta: dict, target: TrainState):
     """(item, restore_args, relayout inputs) for reading the checkpoint straight into the target's mesh."""
+    flat, opt, homes = _flat_spec(meta, target)
+    item, restore_args = _item(flat, range(len(target.plan.leaves)), range(len(opt)), True)
+    return item, restore_args, opt, homes
+
+
+def _flat_spec(meta: dict, target: TrainState):
+    """What each leaf is read as (a ShapeDtypeStruct with the target's sharding), flat:
+    ({"params": [...], "opt_state": [...], "step", "loss_scale", "rng"}, opt entries, homes)."""
     plan = target.plan
     homes = state_shardings(plan, target.tx)
     opt = _opt_entries(plan, target.opt_state)
@@ -280,69 +289,138 @@ def restore_spec(meta: dict, target: TrainState):
     def sds(shape, dtype, sharding):
         return jax.ShapeDtypeStruct(tuple(shape), np.dtype(dtype), sharding=sharding)
 
-    params = {lay.path: sds(_disk_shape(plan, lay), "float32", _disk_sharding(plan, lay)) for lay in plan.leaves}
-    opt_items = {}
+    params = [(lay.path, sds(_disk_shape(plan, lay), "float32", _disk_sharding(plan, lay))) for lay in plan.leaves]
+    opt_items = []
     for (path, x, lay), home in zip(opt, jax.tree_util.tree_leaves(homes.opt_state)):
         dtype = meta["opt_state"][path]["dtype"]
-        if lay is not None:
-            opt_items[path] = sds(_disk_shape(plan, lay), dtype, _disk_sharding(plan, lay))
-        else:
-            opt_items[path] = sds(x.shape, dtype, _device(home))
+        sharding = _disk_sharding(plan, lay) if lay is not None else _device(home)
+        opt_items.append((path, sds(_disk_shape(plan, lay) if lay is not None else x.shape, dtype, sharding)))
     scaler = {k: sds(v.shape, v.dtype, rep) for k, v in _scaler_dict(target.loss_scale).items()}
-    item = {"params": nest(params), "opt_state": nest(opt_items), "step": sds((), "int32", rep),
-            "loss_scale": scaler, "rng": sds(target.rng.shape, target.rng.dtype, rep)}
+    flat = {"params": params, "opt_state": opt_items, "step": sds((), "int32", rep), "loss_scale": scaler,
+            "rng": sds(target.rng.shape, target.rng.dtype, rep)}
+    return flat, opt, homes
+
+
+def _item(flat: dict, param_ids, opt_ids, scalars: bool):
+    """The Orbax item (nested) and restore args of some params, optimizer leaves and the scalars."""
+    item = {}
+    if param_ids:
+        item["params"] = nest(dict(flat["params"][i] for i in param_ids))
+    if opt_ids:
+        item["opt_state"] = nest(dict(flat["opt_state"][j] for j in opt_ids))
+    if scalars:
+        item.update(step=flat["step"], loss_scale=flat["loss_scale"], rng=flat["rng"])
     restore_args = jax.tree_util.tree_map(
         lambda s: ocp.ArrayRestoreArgs(sharding=s.sharding, global_shape=s.shape, dtype=s.dtype, strict=False), item)
-    return item, restore_args, opt, homes
+    return item, restore_args
 
 
-def relayout(restored: dict, target: TrainState, opt, homes):
-    """Restored logical arrays -> the target's ZeRO layout, dtypes and memory kinds; plus checksums."""
+# The host memory a restore may use beside the restored state, per process. The state is read in
+# groups of leaves (each param with the optimizer leaves that mirror it) of a quarter of it, each
+# laid out before the next is read: a group is held about four times over at the peak (Orbax's
+# read buffer, its device copy, the laid-out leaves, the next group's read beginning), so the
+# host holds the restored state plus about the budget, not two or three copies of the state.
+RESTORE_BUDGET = 1 << 30
+_GROUP_SHARE = 4
+
+
+def read_groups(plan: ZeroPlan, opt, budget: int) -> list[tuple[list[int], list[int]]]:
+    """(param indices, optimizer-leaf indices) per group, in the plan's order; the optimizer
+    leaves that mirror no param (counts, scalars) are in the first group. A leaf larger than
+    the budget is a group of its own."""
+    mirrors: dict = collections.defaultdict(list)
+    loose = []
+    for j, (_, _, lay) in enumerate(opt):
+        (mirrors[lay.path] if lay is not None else loose).append(j)
+    per_process = max(1, jax.process_count())
+    groups, cur, size = [], ([], list(loose)), 0
+    for i, lay in enumerate(plan.leaves):
+        nbytes = 4 * lay.size * (1 + len(mirrors[lay.path])) // per_process
+        if cur[0] and size + nbytes > budget:
+            groups.append(cur)
+            cur, size = ([], []), 0
+        cur[0].append(i)
+        cur[1].extend(mirrors[lay.path])
+        size += nbytes
+    groups.append(cur)
+    return groups
+
+
+def restore_state(step_dir: str, meta: dict, target: TrainState, read, budget: int | None = None):
+    """(state in the target's layout, checksums) of a checkpoint step, read group by group
+    (:func:`read_groups`) with ``read(step_dir, item, restore_args)``."""
     plan = target.plan
-    flat_params = {lay.path: lookup(restored["params"], lay.path) for lay in plan.leaves}
-    flat_opt = [lookup(restored["opt_state"], p) for p, _, _ in opt]
+    flat, opt, homes = _flat_spec(meta, target)
     with_master = target.master is not None
-    key = ("restore", with_master, type(target.loss_scale)) + layout_key(plan, target.opt_state)
-    program = cached_program(key, lambda: _restore_program(plan, opt, homes, with_master,
-                                                           jax.tree_util.tree_structure(target.opt_state),
-                                                           type(target.loss_scale)))
-    (step, params, master, opt_state, scaler, rng), sums = program(
-        flat_params, flat_opt, restored["step"], restored["loss_scale"], restored["rng"])
-    state = TrainState(step=step, params=params, master=master, opt_state=opt_state, loss_scale=scaler,
-                       rng=rng, plan=plan, tx=target.tx)
+    param_homes = plan.treedef.flatten_up_to(homes.params)
+    master_homes = plan.treedef.flatten_up_to(homes.master) if with_master else [None] * len(plan.leaves)
+    opt_homes = jax.tree_util.tree_leaves(homes.opt_state)
+    params, master = [None] * len(plan.leaves), [None] * len(plan.leaves)
+    opt_leaves, sums, scalars = [None] * len(opt), {}, None
+    group = max(1, (RESTORE_BUDGET if budget is None else budget) // _GROUP_SHARE)
+    for g, (pi, oi) in enumerate(read_groups(plan, opt, group)):
+        item, restore_args = _item(flat, pi, oi, g == 0)
+        restored = read(step_dir, item, restore_args)
+        lays = [plan.leaves[i] for i in pi]
+        opt_meta = [(opt[j][2], opt[j][1].dtype) for j in oi]
+        key = ("restore", with_master, plan.mesh, plan.compute_dtype,
+               tuple(dataclasses.replace(lay, path="") for lay in lays),
+               tuple((None if lay is None else dataclasses.replace(lay, path=""), np.dtype(dt).name)
+                     for lay, dt in opt_meta),
+               tuple(param_homes[i] for i in pi), tuple(master_homes[i] for i in pi), tuple(opt_homes[j] for j in oi))
+        program = cached_program(key, lambda: _restore_program(
+            plan, lays, opt_meta, [param_homes[i] for i in pi], [master_homes[i] for i in pi],
+            [opt_homes[j] for j in oi], with_master))
+        (p, m, o), s = program([lookup(restored["params"], lay.path) for lay in lays],
+                               [lookup(restored["opt_state"], opt[j][0]) for j in oi])
+        for k, i in enumerate(pi):
+            params[i], master[i] = p[k], m[k]
+            sums["params/" + plan.leaves[i].path] = s[0][k]
+        for k, j in enumerate(oi):
+            opt_leaves[j] = o[k]
+            sums["opt_state/" + opt[j][0]] = s[1][k]
+        if g == 0:
+            scalars = (restored["step"], restored["loss_scale"], restored["rng"])
+        del restored  # this group's logical arrays go once its layout program has read them
+    scaler_type = type(target.loss_scale)
+    key = ("restore-scalars", scaler_type, homes.step, homes.rng) + tuple(jax.tree_util.tree_leaves(homes.loss_scale))
+    place = cached_program(key, lambda: jax.jit(lambda st, ls, r: (st, scaler_type(**ls), r),
+                                                out_shardings=(homes.step, homes.loss_scale, homes.rng)))
+    step, scaler, rng = place(*scalars)
+    state = TrainState(step=step, params=plan.treedef.unflatten(params),
+                       master=plan.treedef.unflatten(master) if with_master else None,
+                       opt_state=jax.tree_util.tree_structure(target.opt_state).unflatten(opt_leaves),
+                       loss_scale=scaler, rng=rng, plan=plan, tx=target.tx)
     return state, sums
 
 
-def _restore_program(plan: ZeroPlan, opt, homes, with_master: bool, opt_treedef, scaler_type):
-    """The jitted (restored logical arrays) -> (state parts, checksums); closes over layouts only."""
+def _restore_program(plan: ZeroPlan, lays, opt_meta, param_homes, master_homes, opt_homes, with_master: bool):
+    """The jitted (a group's logical arrays) -> ((params, masters, optimizer leaves), checksums);
+    closes over layouts only (no leaf names: identical layers share one program)."""
     cdt = plan.compute_dtype
-    opt_meta = [(path, lay, x.dtype) for path, x, lay in opt]
 
-    def build(flat_params, flat_opt, step, loss_scale, rng):
-        sums = {}
-        params, master = [], []
-        for lay in plan.leaves:
-            logical = placement.unpad(flat_params[lay.path], lay)
-            sums["params/" + lay.path] = _checksum(logical)
+    def build(flat_params, flat_opt):
+        params, master, psums = [], [], []
+        for lay, x in zip(lays, flat_params):
+            logical = placement.unpad(x, lay)
+            psums.append(_checksum(logical))
             params.append(placement.pad(logical.astype(cdt), lay) if lay.params_partitioned else logical.astype(cdt))
-            master.append(placement.pad(logical, lay) if plan.opt_partitioned(lay) else logical)
-        opt_leaves = []
-        for (path, lay, dt), x in zip(opt_meta, flat_opt):
+            master.append((placement.pad(logical, lay) if plan.opt_partitioned(lay) else logical)
+                          if with_master else None)
+        opt_leaves, osums = [], []
+        for (lay, dt), x in zip(opt_meta, flat_opt):
             if lay is not None:
                 x = placement.unpad(x, lay)
-                sums["opt_state/" + path] = _checksum(x)
+                osums.append(_checksum(x))
                 x = placement.pad(x, lay) if plan.opt_partitioned(lay) else x
             else:
-                sums["opt_state/" + path] = _checksum(x)
+                osums.append(_checksum(x))
             opt_leaves.append(x.astype(dt))
-        params = plan.treedef.unflatten(params)
-        master = plan.treedef.unflatten(master) if with_master else None
-        opt_state = opt_treedef.unflatten(opt_leaves)
-        return (step, params, master, opt_state, scaler_type(**loss_scale), rng), sums
+        return (params, master, opt_leaves), (psums, osums)
 
     # checksums replicated: every process reads them (another process's shard cannot be fetched)
-    out_sh = ((homes.step, homes.params, homes.master, homes.opt_state, homes.loss_scale, homes.rng),
-              NamedSharding(plan.mesh, P()))
+    rep = NamedSharding(plan.mesh, P())
+    out_sh = ((list(param_homes), list(master_homes), list(opt_homes)), ([rep] * len(lays), [rep] * len(opt_meta)))
     return jax.jit(build, out_shardings=out_sh)
 
 

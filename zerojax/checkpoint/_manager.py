@@ -22,8 +22,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from zerojax.checkpoint._export import consolidate
-from zerojax.checkpoint._format import (DATA, META, MISMATCH, SAFETENSORS_16BIT, STATE, logical_tree, relayout,
-                                       restore_spec, verify)
+from zerojax.checkpoint._format import (DATA, META, MISMATCH, SAFETENSORS_16BIT, STATE, logical_tree,
+                                       restore_state, verify)
 from zerojax.checkpoint._integrity import portable, seal
 from zerojax.checkpoint._steps import _scan, partial_dirs, pick_step, read_data, read_meta, read_state
 from zerojax._errors import CheckpointError, ConfigError, ZeroJaxError, ZeroJaxWarning
@@ -35,13 +35,11 @@ __all__ = ["LATEST_INTACT", "CheckpointManager", "intact_steps", "restore"]
 LATEST_INTACT = "latest_intact"
 
 
-def _restore_step(directory: str, target: TrainState, step: int):
+def _restore_step(directory: str, target: TrainState, step: int, budget: int | None = None):
     step_dir = os.path.join(directory, str(step))
     meta = read_meta(step_dir)
     data_state = read_data(step_dir, meta)
-    item, restore_args, opt, homes = restore_spec(meta, target)
-    restored = read_state(step_dir, item, restore_args)
-    state, sums = relayout(restored, target, opt, homes)
+    state, sums = restore_state(step_dir, meta, target, lambda *a: read_state(*a), budget)
     verify(meta, sums, step_dir)
     return state, data_state
 
@@ -67,7 +65,7 @@ def intact_steps(directory) -> list[int]:
     return good
 
 
-def restore(directory: str, target: TrainState, step: int | str | None = None):
+def restore(directory: str, target: TrainState, step: int | str | None = None, *, budget: int | None = None):
     """Read a step into ``target``'s mesh, stage and layout. Returns (state, data_state).
 
     ``step``: a step number; None, the newest complete step; ``"latest_intact"``, the newest
@@ -75,16 +73,25 @@ def restore(directory: str, target: TrainState, step: int | str | None = None):
     damaged newer steps with a ZeroJaxWarning naming each. ``target`` is a TrainState or
     ``zj.abstract_train_state(...)``. A damaged step is a CheckpointError naming the file and
     the steps that are still intact.
+
+    ``budget``: the host bytes per process the read may use beside the restored state (default
+    1 GiB): the state is read in groups of leaves (a param with the optimizer leaves that mirror
+    it) of a quarter of it, each laid out before the next is read, so the host's memory grows by
+    the restored state plus about the budget, not by two or three copies of the state. A leaf
+    larger than a group is read whole. An abstract target (``zj.abstract_train_state``) holds
+    nothing beside it; a live target keeps its own arrays until it is dropped.
     """
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
+        raise CheckpointError(f"restore(budget={budget!r}): use a positive number of bytes, e.g. 1 << 30")
     if target is None or not isinstance(target, TrainState):
         raise CheckpointError(f"restore needs a target TrainState (zj.abstract_train_state(params_or_init, tx, "
                               f"mesh=..., config=...)), got {type(target).__name__}")
     directory = os.path.abspath(os.fspath(directory))
     if step == LATEST_INTACT:
-        return _restore_latest_intact(directory, target)
+        return _restore_latest_intact(directory, target, budget)
     step = pick_step(directory, step)
     try:
-        return _restore_step(directory, target, step)
+        return _restore_step(directory, target, step, budget)
     except CheckpointError as e:
         if _mismatch(e):
             raise  # no other step helps
@@ -94,14 +101,14 @@ def restore(directory: str, target: TrainState, step: int | str | None = None):
         raise CheckpointError(str(e) + hint) from e
 
 
-def _restore_latest_intact(directory: str, target: TrainState):
+def _restore_latest_intact(directory: str, target: TrainState, budget: int | None = None):
     complete = _scan(directory)
     if not complete:
         raise CheckpointError(f"no complete checkpoint in {directory!r}")
     problems = []
     for step in reversed(complete):
         try:
-            out = _restore_step(directory, target, step)
+            out = _restore_step(directory, target, step, budget)
         except CheckpointError as e:
             if _mismatch(e):
                 raise
@@ -318,11 +325,12 @@ class CheckpointManager:
         return gone
 
     # ---------------------------------------------------------------------------- reading
-    def restore(self, target: TrainState, step: int | str | None = None):
+    def restore(self, target: TrainState, step: int | str | None = None, *, budget: int | None = None):
         """(state, data_state) of ``step`` laid out like ``target``: a step number, None (the
-        newest complete step) or ``"latest_intact"`` (the newest step that verifies)."""
+        newest complete step) or ``"latest_intact"`` (the newest step that verifies); ``budget``:
+        the host bytes the read may use beside the restored state (see :func:`restore`)."""
         self.wait_until_finished()
-        return restore(self.directory, target, step)
+        return restore(self.directory, target, step, budget=budget)
 
     def all_steps(self) -> list[int]:
         """The complete steps on disk, oldest first."""

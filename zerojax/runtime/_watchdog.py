@@ -415,12 +415,13 @@ class Watchdog:
                 faulthandler.dump_traceback(file=f, all_threads=True)
         except OSError as e:
             path = f"(not written: {e})"
+        code = PREEMPTED_EXIT if what == "exit" else STUCK_EXIT  # after a committed preemption save: still 75
         try:
-            sys.stderr.write(f"{msg}; every thread's stack and the ledger: {path}; exiting with code {STUCK_EXIT}\n")
+            sys.stderr.write(f"{msg}; every thread's stack and the ledger: {path}; exiting with code {code}\n")
             sys.stderr.flush()
             sys.stdout.flush()
         finally:
-            os._exit(STUCK_EXIT)
+            os._exit(code)
 
     # ---------------------------------------------------------------------- preemption
     def install_signals(self, extra: Optional[str]) -> None:

@@ -7,7 +7,12 @@
 The global batch is the same whatever the process count (row r of step s is generated from
 (s, r) alone), so the printed losses are the same too: 2 x 4 devices and 1 x 8 give one curve.
 Options: --stage 0..3, --steps N, --rows-per-device N, --checkpoint DIR (saved by every process
-together at the end; restore it with any process count).
+together every --save-every steps and at the end; restore it with any process count).
+
+With --checkpoint the run resumes from the newest intact step in DIR, so a job that was stopped
+goes on where it was: a preempted one (SIGTERM: zerojax saves the step it is in and exits with
+code 75) when started again, and a stuck or crashed one under
+`zerojax launch --max-restarts 3 ...`.
 """
 import argparse
 import functools
@@ -53,7 +58,9 @@ def main(argv=None) -> list:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--rows-per-device", type=int, default=2, help="sequences per device per step")
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--checkpoint", default=None, help="directory to save the final state in (all processes)")
+    p.add_argument("--checkpoint", default=None,
+                   help="directory to save in (all processes) and to resume from when it holds a step")
+    p.add_argument("--save-every", type=int, default=10, help="steps between saves with --checkpoint")
     args = p.parse_args(argv)
 
     if zj.distributed.process_env() is None and "device_count=" not in os.environ.get("XLA_FLAGS", ""):
@@ -64,6 +71,13 @@ def main(argv=None) -> list:
     model = GPTConfig(vocab=128, n_layer=2, d_model=64, n_head=4, seq_len=32)
     state = zj.shard_train_state(functools.partial(init_params, model), optax.adamw(args.lr), mesh=mesh,
                                  config=zj.ZeroConfig(stage=args.stage), rng=jax.random.PRNGKey(0))
+    # open before the loop: a preemption signal saves through the manager opened last
+    mngr = zj.checkpoint.CheckpointManager(args.checkpoint, max_to_keep=2) if args.checkpoint else None
+    if mngr is not None and mngr.latest_step() is not None:
+        state, _ = mngr.restore(state, step="latest_intact")  # the batches follow from the step alone
+        if rank0:
+            print(f"resumed from step {int(state.step)} of {args.checkpoint}")
+    first = int(state.step)
     step = zj.make_train_step(loss_fn(model), state)
     loader = LocalLoader(args.rows_per_device * jax.device_count(), model.seq_len + 1, model.vocab)
     if rank0:
@@ -73,17 +87,20 @@ def main(argv=None) -> list:
         print(zj.memory_report(state))
 
     losses, start = [], time.perf_counter()
-    for i in range(args.steps):
+    for i in range(first, args.steps):
         batch = zj.distributed.shard_batch(loader.batch(i), mesh)  # this process's rows -> the global batch
         state, metrics = step(state, batch)
         losses.append(float(metrics["loss"]))  # the same value on every process
         if rank0 and (i % 5 == 0 or i == args.steps - 1):
             print(f"step {i:4d}  loss {losses[-1]:.4f}", flush=True)
+        if mngr is not None and (i + 1) % args.save_every == 0 and i + 1 < args.steps:
+            mngr.save(i + 1, state)  # every process writes its shards; asynchronous
     if rank0:
-        print(f"{args.steps} steps in {time.perf_counter() - start:.1f}s (first step includes compilation)")
-    if args.checkpoint:
-        with zj.checkpoint.CheckpointManager(args.checkpoint) as mngr:  # every process writes its shards
-            mngr.save(args.steps, state, data_state={"next_step": args.steps})
+        print(f"{args.steps - first} steps in {time.perf_counter() - start:.1f}s (first step includes compilation)")
+    if mngr is not None:
+        if args.steps not in mngr.all_steps():
+            mngr.save(args.steps, state)
+        mngr.close()
         if rank0:
             print(f"saved step {args.steps} to {args.checkpoint}")
     return losses

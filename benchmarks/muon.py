@@ -6,7 +6,10 @@ The model: ``layers`` blocks of ``{"a": [d, 4d], "b": [4d, d]}`` (``h = h + tanh
 and smaller ``{"c": [d, d/4], "e": [d/4, d]}`` matrices, each block scaled by a ``g: [d]`` gain
 (AdamW's leaves under Muon), fp32 on 8 simulated devices. Contenders:
 
-* ``zj-muon-s1`` / ``zj-muon-s3``: ``optax.contrib.muon`` at ZeRO stage 1 / 3;
+* ``zj-muon-s1`` / ``zj-muon-s3``: ``optax.inject_hyperparams(optax.contrib.muon)`` at ZeRO stage
+  1 / 3: recognised, Newton–Schulz on whole matrices, each on one owner (zerojax.stages._muon);
+* ``zj-optax-s1`` / ``zj-optax-s3``: ``optax.contrib.muon`` with constant settings, which zerojax
+  does not recognise: updated through optax on the partitioned state (the baseline);
 * ``zj-adamw-s1`` / ``zj-adamw-s3``: ``optax.adamw`` at the same stages;
 * ``fsdp-muon``: ``optax.contrib.muon`` under plain ``jax.jit``, every leaf split along its
   largest dimension (GSPMD's FSDP);
@@ -62,6 +65,12 @@ def loss_fn(params, batch):
 
 
 def muon():
+    """optax.contrib.muon with its settings in the state: recognised, Newton–Schulz on owners."""
+    return optax.inject_hyperparams(optax.contrib.muon)(learning_rate=1e-3)
+
+
+def muon_bare():
+    """optax.contrib.muon with constant settings: not recognised, updated through optax."""
     return optax.contrib.muon(1e-3)
 
 
@@ -110,13 +119,15 @@ class Plain:
         return loss
 
 
-CONTENDERS = {
-    "zj-muon-s1": lambda p, m: ZeroJax(p, muon, 1, m),
-    "zj-muon-s3": lambda p, m: ZeroJax(p, muon, 3, m),
+CONTENDERS = {  # AdamW first: the Muon rows compare their bytes with it
     "zj-adamw-s1": lambda p, m: ZeroJax(p, adamw, 1, m),
     "zj-adamw-s3": lambda p, m: ZeroJax(p, adamw, 3, m),
-    "fsdp-muon": lambda p, m: Plain(p, muon, "fsdp", m),
-    "ddp-muon": lambda p, m: Plain(p, muon, "ddp", m),
+    "zj-muon-s1": lambda p, m: ZeroJax(p, muon, 1, m),
+    "zj-muon-s3": lambda p, m: ZeroJax(p, muon, 3, m),
+    "zj-optax-s1": lambda p, m: ZeroJax(p, muon_bare, 1, m),
+    "zj-optax-s3": lambda p, m: ZeroJax(p, muon_bare, 3, m),
+    "fsdp-muon": lambda p, m: Plain(p, muon_bare, "fsdp", m),
+    "ddp-muon": lambda p, m: Plain(p, muon_bare, "ddp", m),
 }
 
 
@@ -148,14 +159,18 @@ def main(argv=None):
     print(f"{args.layers} layers, d {args.d}, batch {args.batch}, {psi / 1e6:.2f}M params "
           f"({muon_psi / psi:.3f} of them in Muon's matrices), {mesh.shape['data']} devices, fp32")
     runners = {name: CONTENDERS[name](params, mesh) for name in args.contenders}
-    head = f"{'contender':<12} {'collectives':>11} {'bytes/4Psi':>10} {'FLOPs/dev':>10}  by kind"
+    head = (f"{'contender':<12} {'collectives':>11} {'bytes/4Psi':>10} {'-adamw':>7} {'FLOPs/dev':>10}  by kind   "
+            "(-adamw: bytes over AdamW's at the same stage, in Muon params' bytes)")
     print(head)
+    reports = {}
     for name, r in runners.items():
         c = r.compiled(batch)
-        rep = collectives(c.as_text())
+        reports[name] = rep = collectives(c.as_text())
         kinds = ", ".join(f"{rep.count(k)} {k}" for k in KINDS if rep.count(k))
         count = sum(rep.count(k) for k in rep.kinds)
-        print(f"{name:<12} {count:>11} {rep.total_bytes / (4 * psi):>10.2f} {flops(c):>10.2e}  {kinds or '-'}")
+        adamw = reports.get("zj-adamw-" + name[-2:]) if name.startswith("zj-") else None
+        over = f"{(rep.total_bytes - adamw.total_bytes) / (4 * muon_psi):>7.2f}" if adamw else f"{'':>7}"
+        print(f"{name:<12} {count:>11} {rep.total_bytes / (4 * psi):>10.2f} {over} {flops(c):>10.2e}  {kinds or '-'}")
     times = {name: [] for name in runners}
     for r in runners.values():  # compile and warm up
         jax.block_until_ready(r.run(batch))

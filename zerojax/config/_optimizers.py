@@ -131,12 +131,6 @@ def muon_dimension_numbers(rule: Optional[Callable] = None) -> Callable:
     return dims
 
 
-def _muon(learning_rate, adam_learning_rate, beta, b1, b2, eps, weight_decay, dims):
-    return optax.contrib.muon(learning_rate, beta=beta, eps=eps, weight_decay=weight_decay, nesterov=True,
-                              adam_b1=b1, adam_b2=b2, adam_weight_decay=weight_decay,
-                              adam_learning_rate=adam_learning_rate, muon_weight_dimension_numbers=dims)
-
-
 def _muon_from_block(config, p, muon_params):
     """DeepSpeed's MuonWithAuxAdam as ``optax.contrib.muon`` (see :func:`optimizer_from_config`)."""
     muon_lr = next((x for x in (p["muon_lr"], p["lr"]) if x is not None), 0.02)
@@ -152,9 +146,10 @@ def _muon_from_block(config, p, muon_params):
             raise ConfigError("scheduler.params.cycle_momentum cycles Adam's beta1, which zerojax's Muon does "
                               "not expose to a schedule. Fix: set cycle_momentum to false")
     b1, b2 = p["betas"]
-    muon = optax.inject_hyperparams(_muon, static_args=("dims",))
-    return muon(learning_rate=muon_lr, adam_learning_rate=adam_lr, beta=p["momentum"], b1=b1, b2=b2, eps=p["eps"],
-                weight_decay=p["weight_decay"], dims=muon_dimension_numbers(muon_params))
+    muon = optax.inject_hyperparams(optax.contrib.muon, static_args=("muon_weight_dimension_numbers", "nesterov"))
+    return muon(learning_rate=muon_lr, adam_learning_rate=adam_lr, beta=p["momentum"], eps=p["eps"],
+                weight_decay=p["weight_decay"], adam_b1=b1, adam_b2=b2, adam_weight_decay=p["weight_decay"],
+                nesterov=True, muon_weight_dimension_numbers=muon_dimension_numbers(muon_params))
 
 
 def optimizer_from_config(config: ZeroConfig, muon_params: Optional[Callable] = None) -> optax.GradientTransformation:

@@ -11,7 +11,7 @@ import pytest
 
 import zerojax as zj
 from zerojax._state import unshard_params
-from zerojax.config._optimizers import muon_dimension_numbers
+from zerojax.config._optimizers import muon_dimension_numbers, optimizer_from_config
 from zerojax.stages._muon import muon_recipe
 from zerojax.tools._compiled import collectives
 from tests.helpers import batches, init_params, loss_fn, max_rel_err, reference_run
@@ -36,6 +36,21 @@ def test_deepspeed_muon_on_owners_equals_optax_with_accumulation(stage):
     for b in data:
         state, _ = step(state, b)
     ref = reference_run(params, _reference_tx(), data)
+    assert max_rel_err(unshard_params(state), ref.params) < 1e-5
+
+
+def test_a_scheduler_drives_both_learning_rates_on_owners():
+    params, data = init_params(jax.random.PRNGKey(0)), batches(10)
+    ds = {**_ds(2, 1), "scheduler": {"type": "WarmupDecayLR", "params": {
+        "warmup_min_lr": 0, "warmup_max_lr": 0.02, "warmup_num_steps": 3, "total_num_steps": 10}}}
+    state, step = zj.initialize(params, loss_fn, ds)
+    assert muon_recipe(state.plan, state.tx) is not None
+    lrs = []
+    for b in data:
+        state, metrics = step(state, b)
+        lrs.append(float(metrics["learning_rate"]))
+    assert len(set(lrs)) > 3  # the schedule moved
+    ref = reference_run(params, optimizer_from_config(zj.ZeroConfig.from_deepspeed(ds, world_size=8)), data)
     assert max_rel_err(unshard_params(state), ref.params) < 1e-5
 
 
@@ -76,12 +91,24 @@ def test_stacked_leaves_share_stacks_with_2d_ones_and_match_optax():
     assert max_rel_err(unshard_params(state), p) < 1e-5
 
 
+def test_a_bare_optax_muon_is_read_from_its_parts_and_runs_on_owners():
+    params, data = init_params(jax.random.PRNGKey(0)), batches(6)
+    make = lambda: optax.contrib.muon(0.02, beta=0.9, weight_decay=0.01, adam_b1=0.8)  # noqa: E731
+    state = zj.shard_train_state(params, make(), mesh=zj.make_mesh(), config=zj.ZeroConfig(stage=2))
+    recipe = muon_recipe(state.plan, state.tx)
+    assert recipe is not None and dict(recipe.constants)["adam_b1"] == pytest.approx(0.8)
+    step = zj.make_train_step(loss_fn, state)
+    for b in data:
+        state, _ = step(state, b)
+    assert max_rel_err(unshard_params(state), reference_run(params, make(), data).params) < 1e-5
+
+
 @pytest.mark.parametrize("make", [
-    lambda: optax.contrib.muon(0.02),  # constant settings: not read
+    lambda: optax.contrib.muon(optax.linear_schedule(0.02, 0.0, 10)),  # a schedule outside inject_hyperparams
     lambda: optax.inject_hyperparams(optax.contrib.muon, static_args=("nesterov",))(learning_rate=0.02,
                                                                                    nesterov=False),
     lambda: optax.inject_hyperparams(optax.contrib.muon, static_args=("ns_steps",))(learning_rate=0.02, ns_steps=3),
-], ids=["bare", "no-nesterov", "3-iterations"])
+], ids=["schedule", "no-nesterov", "3-iterations"])
 def test_muon_like_transformations_not_recognised_run_through_optax(make):
     params, data = init_params(jax.random.PRNGKey(0)), batches(4)
     state = zj.shard_train_state(params, make(), mesh=zj.make_mesh(), config=zj.ZeroConfig(stage=1))

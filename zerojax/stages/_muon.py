@@ -58,6 +58,7 @@ class MuonRecipe:
     proxy params (same structure and ranks, tiny shapes) its scalars advance on."""
     muon: tuple  # bool per leaf
     proxy: tuple  # ShapeDtypeStruct per leaf
+    constants: Optional[tuple] = None  # the settings of a bare optax.contrib.muon, as (name, value) pairs
 
 
 # ------------------------------------------------------------------ the state's parts
@@ -97,7 +98,9 @@ def _with_nodes(opt_state, muon_node, adam_node):
     return opt_state._replace(inner_state=part) if hp is not None else part
 
 
-def _settings(hp) -> dict:
+def _settings(hp, recipe=None) -> dict:
+    if hp is None:
+        return dict(recipe.constants)
     s = dict(_DEFAULTS)
     s.update({k: v for k, v in hp.items() if k in _DEFAULTS or k == "learning_rate"})
     if s["adam_learning_rate"] is None:
@@ -124,7 +127,7 @@ def _advance_scalars(tx, recipe: MuonRecipe, treedef, opt_state, muon_node, adam
                          adam_node._replace(mu=like(fresh_adam.mu), nu=like(fresh_adam.nu)))
     _, after = tx.update(proxy, before, proxy)
     hp = getattr(after, "hyperparams", None)
-    return _settings(hp), after
+    return _settings(hp, recipe), after
 
 
 def _newton_schulz(stacks, ns_coeffs, eps, constrain):
@@ -147,7 +150,6 @@ def _update(tx, recipe: MuonRecipe, grads, opt_state, params, constrain=None, n:
     muon_node, adam_node = _nodes(opt_state)
     s, after = _advance_scalars(tx, recipe, treedef, opt_state, muon_node, adam_node)
     g_leaves, p_leaves = treedef.flatten_up_to(grads), treedef.flatten_up_to(params)
-    is_masked = lambda x: isinstance(x, optax.MaskedNode)  # noqa: E731
     mu_leaves = treedef.flatten_up_to(muon_node.mu)
     amu_leaves, anu_leaves = treedef.flatten_up_to(adam_node.mu), treedef.flatten_up_to(adam_node.nu)
     beta = s["beta"]
@@ -203,7 +205,6 @@ def _update(tx, recipe: MuonRecipe, grads, opt_state, params, constrain=None, n:
     after_muon, after_adam = _nodes(after)
     new_state = _with_nodes(after, after_muon._replace(mu=treedef.unflatten(new_mu)),
                             after_adam._replace(mu=treedef.unflatten(new_amu), nu=treedef.unflatten(new_anu)))
-    del is_masked
     return treedef.unflatten(updates), new_state
 
 
@@ -243,6 +244,57 @@ def _agrees(tx, recipe: MuonRecipe, treedef) -> bool:
     return True
 
 
+def _closure_constants(obj, out: dict, seen: set, depth: int = 0) -> dict:
+    """Every number a transformation's update closes over, by name, depth first (the first
+    of a name wins): what optax.contrib.muon's parts were built with."""
+    if id(obj) in seen or depth > 8:
+        return out
+    seen.add(id(obj))
+    fn = getattr(obj, "update", obj)
+    if isinstance(obj, (tuple, list)):
+        for x in obj:
+            _closure_constants(x, out, seen, depth + 1)
+        return out
+    if isinstance(obj, dict):
+        for x in obj.values():
+            _closure_constants(x, out, seen, depth + 1)
+        return out
+    code, cells = getattr(fn, "__code__", None), getattr(fn, "__closure__", None) or ()
+    if code is None:
+        return out
+    for name, cell in zip(code.co_freevars, cells):
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            out.setdefault(name, float(value))
+        elif callable(value) or isinstance(value, (tuple, list, dict)):
+            _closure_constants(value, out, seen, depth + 1)
+    return out
+
+
+def _constant_settings(tx) -> Optional[tuple]:
+    """The settings of a bare ``optax.contrib.muon`` (constants, a fixed learning rate), read
+    from its parts' closures, or None; the update built from them is checked like any other."""
+    found: dict = {}
+    for code, cell in zip(getattr(tx.update, "__code__", None).co_freevars if hasattr(tx.update, "__code__") else (),
+                          getattr(tx.update, "__closure__", None) or ()):
+        if code == "transforms":
+            found = cell.cell_contents
+    if not isinstance(found, dict) or set(found) != {"muon", "adam"}:
+        return None
+    muon, adam = (_closure_constants(found[k], {}, set()) for k in ("muon", "adam"))
+    try:
+        s = {"learning_rate": -muon["step_size"], "beta": muon["beta"], "eps": muon["eps"],
+             "weight_decay": muon.get("weight_decay", 0.0), "adam_b1": adam["b1"], "adam_b2": adam["b2"],
+             "adam_eps_root": adam.get("eps_root", 0.0), "adam_weight_decay": adam.get("weight_decay", 0.0),
+             "adam_learning_rate": -adam["step_size"]}
+    except KeyError:  # a schedule (no step_size) or parts of another shape
+        return None
+    return tuple(sorted(s.items()))
+
+
 def _recipe(tx, shapes) -> Optional[MuonRecipe]:
     if orthogonalize_via_newton_schulz is None:
         return None
@@ -253,14 +305,19 @@ def _recipe(tx, shapes) -> Optional[MuonRecipe]:
     if _nodes(state) is None:
         return None
     hp = getattr(state, "hyperparams", None)
-    if hp is None or not isinstance(hp, dict) or "learning_rate" not in hp:
-        return None  # constant settings are not read from a bare optax.contrib.muon
+    constants = None
+    if hp is None:
+        constants = _constant_settings(tx)
+        if constants is None:
+            return None
+    elif not isinstance(hp, dict) or "learning_rate" not in hp:
+        return None
     groups = partition_groups(tx, shapes)
     if groups is None:
         return None
     leaves, treedef = jax.tree_util.tree_flatten(shapes)
     recipe = MuonRecipe(tuple(g == "muon" for g in groups),
-                        tuple(jax.ShapeDtypeStruct(_proxy_shape(x.shape), x.dtype) for x in leaves))
+                        tuple(jax.ShapeDtypeStruct(_proxy_shape(x.shape), x.dtype) for x in leaves), constants)
     if partition_groups(tx, _proxy_tree(treedef, recipe, lambda p: p)) != groups:
         return None  # a rule that reads sizes: the proxies would change the groups
     try:

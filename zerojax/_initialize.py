@@ -167,7 +167,11 @@ def _adamw_from_training_args(args, scheduler: Optional[dict]) -> optax.Gradient
         eps=float(_arg(args, "adam_epsilon")), weight_decay=float(_arg(args, "weight_decay")))
 
 
-def _optimizer(config: ZeroConfig, training_args, optimizer) -> optax.GradientTransformation:
+def _optimizer(config: ZeroConfig, training_args, optimizer, muon_params=None) -> optax.GradientTransformation:
+    if muon_params is not None and (optimizer is not None or config.optimizer is None):
+        raise ConfigError("muon_params= chooses the Muon leaves of the config's \"type\": \"Muon\" optimizer. "
+                          "Fix: drop it, or pass optax.contrib.muon(..., muon_weight_dimension_numbers=...) as "
+                          "optimizer=")
     if optimizer is not None:
         if config.optimizer is not None:
             raise ConfigError("an optimizer was passed and the config has an optimizer block too. Fix: remove "
@@ -178,7 +182,7 @@ def _optimizer(config: ZeroConfig, training_args, optimizer) -> optax.GradientTr
                               "from_deepspeed(block, base_lr)), and remove the \"scheduler\" block")
         return optimizer
     if config.optimizer is not None:
-        return optimizer_from_config(config)
+        return optimizer_from_config(config, muon_params)
     if training_args is None:
         raise ConfigError(_NO_OPTIMIZER)
     return _adamw_from_training_args(training_args, config.scheduler)
@@ -201,6 +205,7 @@ def initialize(
     check_errors: bool = True,
     fused_adam: bool = False,
     monitors: Optional[Monitors] = None,
+    muon_params: Optional[Callable[[str, tuple], bool]] = None,
 ) -> tuple[TrainState, GlobalBatchStep]:
     """Build ``(state, step)`` from a config, ready to train.
 
@@ -226,6 +231,11 @@ def initialize(
        when ``max_steps <= 0``);
     4. otherwise a ConfigError saying to add an "optimizer" block or pass training_args.
 
+    With ``"type": "Muon"``, ``muon_params(path, shape) -> bool`` chooses the leaves Muon
+    updates (default :func:`zerojax.config._optimizers.muon_rule`: 2 or more dims, no
+    embedding or head in the path); the others get AdamW. ``state.plan.describe()`` shows
+    each leaf's choice.
+
     ``params_or_init_fn``, ``rng`` and ``param_specs`` are passed to
     :func:`~zerojax._state.shard_train_state`; ``loss_fn``, ``has_aux``, ``donate``,
     ``check_errors`` and ``fused_adam`` to :func:`~zerojax._step.make_train_step`, which picks the
@@ -244,7 +254,7 @@ def initialize(
     """
     mesh = mesh_for(config, mesh)  # all devices on "data", or the AutoTP mesh when autotp_size > 1
     config, monitors = _resolve_config(config, mesh, training_args, hidden_size), monitors_for(config, monitors)
-    tx = _optimizer(config, training_args, optimizer)
+    tx = _optimizer(config, training_args, optimizer, muon_params)
     state = shard_train_state(params_or_init_fn, tx, mesh=mesh, config=config, rng=rng, param_specs=param_specs)
     step = make_train_step(loss_fn, state, has_aux=has_aux, donate=donate, check_errors=check_errors,
                            fused_adam=fused_adam, monitors=monitors)

@@ -69,6 +69,9 @@ class LeafLayout:
     # storage: the sequence-parallel axis, and at stage 3 AutoTP's model axis for a leaf it
     # leaves whole. Bodies manual over the data axis see them as automatic axes.
     extra: Tuple[str, ...] = ()
+    # the group of an optax.partition / multi_transform (optax.contrib.muon's "muon" or "adam")
+    # that updates the leaf; None when the optimizer is not partitioned
+    group: Optional[str] = None
 
     @property
     def size(self) -> int:
@@ -303,6 +306,13 @@ class ZeroPlan:
             )
         return cls(mesh=mesh, config=config, layouts=treedef.unflatten(layouts), treedef=treedef)
 
+    def with_groups(self, groups) -> "ZeroPlan":
+        """This plan with each leaf's optimizer group (a list in leaf order, or None: unchanged)."""
+        if groups is None:
+            return self
+        layouts = [dataclasses.replace(lay, group=g) for lay, g in zip(self.leaves, groups)]
+        return dataclasses.replace(self, layouts=self.treedef.unflatten(layouts))
+
     # ------------------------------------------------------------------------- basics
     @property
     def n(self) -> int:
@@ -514,7 +524,9 @@ class ZeroPlan:
         return NamedSharding(self.mesh, lay.spec(self.opt_partitioned(lay), self.data_axis))
 
     def describe(self) -> str:
-        """A table: one line per leaf with its shape, split dim, padding and per-stage placement."""
+        """A table: one line per leaf with its shape, split dim, padding and per-stage placement,
+        and, for a partitioned optimizer (``optax.contrib.muon``, ``optax.partition``), the group
+        that updates it (``opt muon`` / ``opt adam``)."""
         rows = [f"ZeroPlan stage {self.stage} over {self.n} devices ({self.config.precision})"]
         if self.config.offload_optimizer is not None:
             rows[0] += (f", optimizer state offloaded: {self.host_fraction:.3f} of its elements in host memory "
@@ -530,5 +542,6 @@ class ZeroPlan:
                 copies = [a for a in model_axes if not (lay.params_partitioned and a in lay.extra)]
                 tp = (f"  {P(*lay.base_spec)}" if named else f"  replicated on {'/'.join(copies)}" if copies
                       else f"  split over {' x '.join((self.data_axis,) + lay.extra)}")
-            rows.append(f"  {lay.path:<40} {str(lay.shape):<18} {split:<16} {where}{opt}{tp}")
+            group = f"  opt {lay.group}" if lay.group is not None else ""
+            rows.append(f"  {lay.path:<40} {str(lay.shape):<18} {split:<16} {where}{opt}{group}{tp}")
         return "\n".join(rows)

@@ -17,6 +17,7 @@ from zerojax._low_precision import opt_for_storage
 from zerojax._mesh import make_mesh
 from zerojax.offload._partial import check_split
 from zerojax._plan import ZeroPlan
+from zerojax.update._recognize import partition_groups
 from zerojax._precision import LossScalerState
 
 
@@ -123,7 +124,7 @@ def shard_train_state(
     init_key, state_key = jax.random.split(rng)
     init_fn, _ = split_params_or_init(params_or_init)
     abstract = abstract_params(params_or_init, init_key)
-    plan = ZeroPlan.create(abstract, mesh, config, param_specs=param_specs)
+    plan = ZeroPlan.create(abstract, mesh, config, param_specs=param_specs).with_groups(partition_groups(tx, abstract))
     check_split(plan, tx)
     build = _build_fn(plan, tx)
     sh = state_shardings(plan, tx)
@@ -157,7 +158,8 @@ def abstract_train_state(params_or_init, tx: optax.GradientTransformation, *, me
     """
     mesh = make_mesh() if mesh is None else mesh
     config = ZeroConfig() if config is None else config
-    plan = ZeroPlan.create(abstract_params(params_or_init), mesh, config, param_specs=param_specs)
+    abstract = abstract_params(params_or_init)
+    plan = ZeroPlan.create(abstract, mesh, config, param_specs=param_specs).with_groups(partition_groups(tx, abstract))
     check_split(plan, tx)
     sh = state_shardings(plan, tx)
     abstract_full = plan.map(lambda lay: jax.ShapeDtypeStruct(lay.shape, lay.dtype))

@@ -106,7 +106,8 @@ ZERO: dict = {
     "round_robin_gradients": _ignored(False, boolean, "a CPU-offload copy schedule; " + _XLA_SCHEDULES),
     "parameter_alignment": _ignored(False, boolean, "XLA lays out the buffers"),
     "enable_sanity_checks": _ignored(False, boolean, "a DeepSpeed debugging aid"),
-    "save_muon_momentum_buffer_in_memory": _ignored(False, boolean, "zerojax has no DeepSpeed Muon optimizer"),
+    "save_muon_momentum_buffer_in_memory": _ignored(False, boolean, "a DeepSpeed stage-3 Muon buffer placement; "
+                                                    "zerojax keeps Muon's momentum with its optimizer state"),
     "memory_efficient_linear": _ignored(True, boolean, _TORCH_HOOKS, stage3=True),
     "pipeline_loading_checkpoint": _ignored(False, boolean, "a DeepSpeed pipeline-engine detail", stage3=True),
     "override_module_apply": _ignored(True, boolean, _TORCH_HOOKS, stage3=True),
@@ -227,6 +228,12 @@ OPTIMIZERS = {  # lower-case type -> (name, params); DeepSpeed's defaults
                             "weight_decay": _p(0.0, number(0)), "initial_accumulator_value": _p(0.0, number(0))}),
     "sgd": ("SGD", {"lr": _p(1e-3, number(0)), "momentum": _p(0.0, number(0, 1)), "dampening": _p(0.0, number(0)),
                     "weight_decay": _p(0.0, number(0)), "nesterov": _p(False, boolean)}),
+    # DeepSpeed's MuonWithAuxAdam: "lr" serves both groups unless muon_lr / adam_lr replace it
+    # (no lr at all: 0.02 for Muon, 3e-4 for Adam); weight_decay serves both groups
+    "muon": ("Muon", {"lr": _p(None, optional(number(0))), "muon_lr": _p(None, optional(number(0))),
+                      "adam_lr": _p(None, optional(number(0))), "momentum": _p(0.95, number(0, 1, hi_open=True)),
+                      "weight_decay": _p(0.0, number(0)), "betas": _p([0.9, 0.95], _betas),
+                      "eps": _p(1e-10, number(0, lo_open=True)), "ns_method": _p("gram", choice("gram", "standard"))}),
 }
 _COMPRESSED = ("compresses DeepSpeed's gradient all-reduce to 1 bit after a warmup; zerojax runs full-width "
                "collectives")
@@ -239,8 +246,6 @@ REFUSED_OPTIMIZERS = {  # lower-case type -> (what it is, the zerojax alternativ
     "muadamw": ("muP AdamW (DeepSpeed's mup wrapper)", '"type": "AdamW", with muP scaling in the model init and '
                 "per-layer learning rates via optax.multi_transform"),
     "musgd": ("muP SGD (DeepSpeed's mup wrapper)", '"type": "SGD", with muP scaling in the model init'),
-    "muon": ("DeepSpeed's Muon", "optax.contrib.muon passed as zj.initialize(..., optimizer=tx), with the "
-             "optimizer block removed"),
 }
 
 # --------------------------------------------------------------------------- tensor_parallel (AutoTP)

@@ -29,6 +29,7 @@ from zerojax._plan import DEVICE, ZeroPlan
 from zerojax.stages._adam import adam_recipe
 from zerojax.stages._gated import gated_update, plan_recipe
 from zerojax.stages._gradients import grads_fn
+from zerojax.stages._muon import muon_recipe, muon_update
 from zerojax.stages._update import master_view, optax_update, params_from_master, takes_value
 from zerojax._state import TrainState, state_shardings
 from zerojax.update._pipeline import (
@@ -55,6 +56,8 @@ def _update_fn(loss_fn: Callable, plan: ZeroPlan, tx, has_aux: bool, fused_adam:
     # Adam/AdamW, SGD momentum on fp32 states: one gated pass, no select over the state (stages/gated.py)
     recipe = adam_recipe(tx) if fused_adam else None
     gated = None if fused_adam else plan_recipe(plan, tx)
+    # optax.contrib.muon recognised: Newton–Schulz on whole matrices, one owner each (stages/_muon.py)
+    muon = None if fused_adam or gated is not None or plan.host_update else muon_recipe(plan, tx)
 
     def on_host(state, scaled, grads, scale, coef, skip, key, value):
         # ZeRO-Offload: the (still loss-scaled) gradients travel to the host in the compute
@@ -104,6 +107,9 @@ def _update_fn(loss_fn: Callable, plan: ZeroPlan, tx, has_aux: bool, fused_adam:
                 params_c, master, opt_state = fused_adamw_update(plan, tx, recipe, master_view(plan, state),
                                                                  state.opt_state, grads, fused_block)
                 return params_from_master(plan, params_c), (master if plan.has_master else None), opt_state
+            if muon is not None:
+                master, opt_state = muon_update(plan, muon, tx, master_view(plan, state), grads, state.opt_state, key)
+                return params_from_master(plan, master), (master if plan.has_master else None), opt_state
             master, opt_state = optax_update(plan, tx, master_view(plan, state), grads, state.opt_state, key,
                                              value)
             return params_from_master(plan, master), (master if plan.has_master else None), opt_state

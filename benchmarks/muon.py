@@ -1,0 +1,193 @@
+"""Muon's step under ZeRO: collectives, bytes, FLOPs and step time against plain jit.
+
+    python benchmarks/muon.py [--layers 8 --d 256 --batch 64 --rounds 5 --steps 3] [--smoke]
+
+The model: ``layers`` blocks of ``{"a": [d, 4d], "b": [4d, d]}`` (``h = h + tanh(h @ a) @ b``)
+and smaller ``{"c": [d, d/4], "e": [d/4, d]}`` matrices, each block scaled by a ``g: [d]`` gain
+(AdamW's leaves under Muon), fp32 on 8 simulated devices. Contenders:
+
+* ``zj-muon-s1`` / ``zj-muon-s3``: ``optax.contrib.muon`` at ZeRO stage 1 / 3: recognised,
+  Newton–Schulz on whole matrices, each on one owner (zerojax.stages._muon);
+* ``zj-optax-s1`` / ``zj-optax-s3``: the same with its lr as a constant schedule, which zerojax
+  does not read: updated through optax on the partitioned state (the baseline);
+* ``zj-adamw-s1`` / ``zj-adamw-s3``: ``optax.adamw`` at the same stages;
+* ``fsdp-muon``: ``optax.contrib.muon`` under plain ``jax.jit``, every leaf split along its
+  largest dimension (GSPMD's FSDP);
+* ``ddp-muon``: the same with every leaf replicated.
+
+For each, from the compiled step: the collectives (count, by kind) and their bytes per device
+(ring volume from the result shapes, :func:`zerojax.tools._compiled.collectives`) over 4 x
+params (the fp32 params' bytes), the per-device FLOPs of XLA's cost analysis; then the step time,
+the median over ``rounds`` interleaved rounds of ``steps`` steps each. ``--smoke``: 2 small
+layers, one round of one step.
+"""
+import argparse
+import os
+import statistics
+import sys
+import time
+
+from _common import simulate_devices
+
+simulate_devices(8)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+import optax.contrib  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import zerojax as zj  # noqa: E402
+from zerojax.tools._compiled import collectives  # noqa: E402
+from vs_plain_jax import fsdp_spec  # noqa: E402
+
+KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
+
+
+def make_params(layers: int, d: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    q = max(d // 4, 8)
+    mat = lambda m, n: (rng.standard_normal((m, n)) / np.sqrt(m)).astype(np.float32)  # noqa: E731
+    return {f"l{i}": {"a": mat(d, 4 * d), "b": mat(4 * d, d), "c": mat(d, q), "e": mat(q, d),
+                      "g": np.ones((d,), np.float32)} for i in range(layers)}
+
+
+def loss_fn(params, batch):
+    h = batch["x"]
+    for name in sorted(params, key=lambda k: int(k[1:])):
+        p = params[name]
+        h = h + jnp.tanh(h @ p["a"]) @ p["b"]
+        h = (h + jnp.tanh(h @ p["c"]) @ p["e"]) * p["g"]
+    return jnp.mean((h - batch["y"]) ** 2)
+
+
+def muon():
+    """optax.contrib.muon: recognised, Newton–Schulz on owners."""
+    return optax.contrib.muon(1e-3)
+
+
+def muon_through_optax():
+    """The same numbers with the lr as a (constant) schedule, which zerojax does not read:
+    updated through optax on the partitioned state, as every Muon was before."""
+    return optax.contrib.muon(optax.constant_schedule(1e-3))
+
+
+def adamw():
+    return optax.adamw(1e-3)
+
+
+class ZeroJax:
+    def __init__(self, params, make_tx, stage, mesh):
+        self.state = zj.shard_train_state(params, make_tx(), mesh=mesh, config=zj.ZeroConfig(stage=stage))
+        self.step = zj.make_train_step(loss_fn, self.state)
+
+    def compiled(self, batch):
+        return self.step.lower(self.state, batch).compile()
+
+    def run(self, batch):
+        self.state, metrics = self.step(self.state, batch)
+        return metrics["loss"]
+
+
+class Plain:
+    def __init__(self, params, make_tx, mode, mesh):
+        n = mesh.shape["data"]
+        spec = (lambda x: P()) if mode == "ddp" else (lambda x: fsdp_spec(x, n) if x.ndim else P())
+        shapes = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+        tx = make_tx()
+        params_sh = jax.tree_util.tree_map(lambda x: NamedSharding(mesh, spec(x)), shapes)
+        opt_sh = jax.tree_util.tree_map(lambda x: NamedSharding(mesh, spec(x)), jax.eval_shape(tx.init, shapes))
+        self.params = jax.device_put(params, params_sh)
+        self.opt_state = jax.jit(tx.init, out_shardings=opt_sh)(self.params)
+        batch_sh = NamedSharding(mesh, P("data"))
+
+        def step(p, s, b):
+            loss, g = jax.value_and_grad(loss_fn)(p, b)
+            u, s = tx.update(g, s, p)
+            return optax.apply_updates(p, u), s, loss
+
+        self.fn = jax.jit(step, in_shardings=(params_sh, opt_sh, batch_sh), out_shardings=(params_sh, opt_sh, None),
+                          donate_argnums=(0, 1))
+
+    def compiled(self, batch):
+        return self.fn.lower(self.params, self.opt_state, batch).compile()
+
+    def run(self, batch):
+        self.params, self.opt_state, loss = self.fn(self.params, self.opt_state, batch)
+        return loss
+
+
+CONTENDERS = {  # AdamW first: the Muon rows compare their bytes with it
+    "zj-adamw-s1": lambda p, m: ZeroJax(p, adamw, 1, m),
+    "zj-adamw-s3": lambda p, m: ZeroJax(p, adamw, 3, m),
+    "zj-muon-s1": lambda p, m: ZeroJax(p, muon, 1, m),
+    "zj-muon-s3": lambda p, m: ZeroJax(p, muon, 3, m),
+    "zj-optax-s1": lambda p, m: ZeroJax(p, muon_through_optax, 1, m),
+    "zj-optax-s3": lambda p, m: ZeroJax(p, muon_through_optax, 3, m),
+    "fsdp-muon": lambda p, m: Plain(p, muon, "fsdp", m),
+    "ddp-muon": lambda p, m: Plain(p, muon, "ddp", m),
+}
+
+
+def flops(compiled) -> float:
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    return float(cost.get("flops", 0.0))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--d", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--contenders", nargs="*", default=list(CONTENDERS))
+    ap.add_argument("--smoke", action="store_true", help="2 layers of d 64, one round of one step")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.layers, args.d, args.batch, args.rounds, args.steps = 2, 64, 16, 1, 1
+    mesh = zj.make_mesh()
+    params = make_params(args.layers, args.d)
+    psi = sum(x.size for x in jax.tree_util.tree_leaves(params))
+    muon_psi = sum(x.size for x in jax.tree_util.tree_leaves(params) if x.ndim == 2)
+    rng = np.random.default_rng(1)
+    batch = {"x": rng.standard_normal((args.batch, args.d)).astype(np.float32),
+             "y": rng.standard_normal((args.batch, args.d)).astype(np.float32)}
+    print(f"{args.layers} layers, d {args.d}, batch {args.batch}, {psi / 1e6:.2f}M params "
+          f"({muon_psi / psi:.3f} of them in Muon's matrices), {mesh.shape['data']} devices, fp32")
+    runners = {name: CONTENDERS[name](params, mesh) for name in args.contenders}
+    head = (f"{'contender':<12} {'collectives':>11} {'bytes/4Psi':>10} {'-adamw':>7} {'FLOPs/dev':>10}  by kind   "
+            "(-adamw: bytes over AdamW's at the same stage, in Muon params' bytes)")
+    print(head)
+    reports = {}
+    for name, r in runners.items():
+        c = r.compiled(batch)
+        reports[name] = rep = collectives(c.as_text())
+        kinds = ", ".join(f"{rep.count(k)} {k}" for k in KINDS if rep.count(k))
+        count = sum(rep.count(k) for k in rep.kinds)
+        adamw = reports.get("zj-adamw-" + name[-2:]) if name.startswith("zj-") else None
+        over = f"{(rep.total_bytes - adamw.total_bytes) / (4 * muon_psi):>7.2f}" if adamw else f"{'':>7}"
+        print(f"{name:<12} {count:>11} {rep.total_bytes / (4 * psi):>10.2f} {over} {flops(c):>10.2e}  {kinds or '-'}")
+    times = {name: [] for name in runners}
+    for r in runners.values():  # compile and warm up
+        jax.block_until_ready(r.run(batch))
+    for _ in range(args.rounds):
+        for name, r in runners.items():
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                loss = r.run(batch)
+            jax.block_until_ready(loss)
+            times[name].append((time.perf_counter() - t0) / args.steps)
+    base = statistics.median(times["ddp-muon"]) if "ddp-muon" in times else None
+    print(f"{'contender':<12} {'ms/step':>9} {'x ddp-muon':>11}   ({args.rounds} interleaved rounds of {args.steps})")
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        print(f"{name:<12} {med * 1e3:>9.2f} {med / base if base else float('nan'):>11.2f}")
+
+
+if __name__ == "__main__":
+    main()

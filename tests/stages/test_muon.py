@@ -1,0 +1,153 @@
+"""Owner-computed Newton–Schulz (zerojax.stages._muon): a recognised optax.contrib.muon trains
+equal to one-device optax at stages 1–3 with gradient accumulation, its step holds a fixed
+number of collectives (all-to-alls per matrix shape, none per Newton–Schulz matmul), and a
+Muon-like transformation it does not recognise keeps running through optax."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import optax.contrib
+import pytest
+
+import zerojax as zj
+from zerojax._state import unshard_params
+from zerojax.config._optimizers import muon_dimension_numbers, optimizer_from_config
+from zerojax.stages._muon import muon_recipe
+from zerojax.tools._compiled import collectives
+from tests.helpers import batches, init_params, loss_fn, max_rel_err, reference_run
+
+
+def _ds(stage, gas):
+    zero = {"stage": stage, **({"param_persistence_threshold": 0} if stage == 3 else {})}
+    return {"train_micro_batch_size_per_gpu": 4 // gas, "gradient_accumulation_steps": gas,
+            "zero_optimization": zero, "optimizer": {"type": "Muon", "params": {"lr": 0.02, "weight_decay": 0.01}}}
+
+
+def _reference_tx():
+    return optax.contrib.muon(0.02, beta=0.95, eps=1e-10, weight_decay=0.01, adam_b1=0.9, adam_b2=0.95,
+                              adam_weight_decay=0.01, muon_weight_dimension_numbers=muon_dimension_numbers())
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_deepspeed_muon_on_owners_equals_optax_with_accumulation(stage):
+    params, data = init_params(jax.random.PRNGKey(0)), batches(10)
+    state, step = zj.initialize(params, loss_fn, _ds(stage, 2))
+    assert muon_recipe(state.plan, state.tx) is not None
+    for b in data:
+        state, _ = step(state, b)
+    ref = reference_run(params, _reference_tx(), data)
+    assert max_rel_err(unshard_params(state), ref.params) < 1e-5
+
+
+def test_a_scheduler_drives_both_learning_rates_on_owners():
+    params, data = init_params(jax.random.PRNGKey(0)), batches(10)
+    ds = {**_ds(2, 1), "scheduler": {"type": "WarmupDecayLR", "params": {
+        "warmup_min_lr": 0, "warmup_max_lr": 0.02, "warmup_num_steps": 3, "total_num_steps": 10}}}
+    state, step = zj.initialize(params, loss_fn, ds)
+    assert muon_recipe(state.plan, state.tx) is not None
+    lrs = []
+    for b in data:
+        state, metrics = step(state, b)
+        lrs.append(float(metrics["learning_rate"]))
+    assert len(set(lrs)) > 3  # the schedule moved
+    ref = reference_run(params, optimizer_from_config(zj.ZeroConfig.from_deepspeed(ds, world_size=8)), data)
+    assert max_rel_err(unshard_params(state), ref.params) < 1e-5
+
+
+def _stacked_params(key):
+    k = jax.random.split(key, 4)
+    return {"emb": jax.random.normal(k[0], (40, 16)) * 0.3,
+            "layers": {"a": jax.random.normal(k[1], (3, 16, 24)) * 0.3, "b": jax.random.normal(k[2], (3, 24, 16)) * 0.3,
+                       "g": jnp.ones((3, 16))},
+            "mix": jax.random.normal(k[3], (16, 24)) * 0.3}
+
+
+def _stacked_loss(p, batch):
+    h = p["emb"][batch["tok"]].mean(1)
+    for i in range(3):
+        h = h + jnp.tanh(h @ p["layers"]["a"][i]) @ p["layers"]["b"][i] * p["layers"]["g"][i]
+    h = h + jnp.tanh(h @ p["mix"]) @ p["layers"]["b"][0]
+    return jnp.mean((h - batch["y"][:, None]) ** 2)
+
+
+def test_stacked_leaves_share_stacks_with_2d_ones_and_match_optax():
+    params = _stacked_params(jax.random.PRNGKey(1))
+    rng = np.random.default_rng(0)
+    data = [{"tok": rng.integers(0, 40, (32, 4)).astype(np.int32), "y": rng.standard_normal(32).astype(np.float32)}
+            for _ in range(10)]
+    tx = optax.inject_hyperparams(optax.contrib.muon, static_args=("muon_weight_dimension_numbers",))(
+        learning_rate=0.01, weight_decay=0.01, muon_weight_dimension_numbers=muon_dimension_numbers())
+    state = zj.shard_train_state(params, tx, mesh=zj.make_mesh(), config=zj.ZeroConfig(stage=1))
+    assert muon_recipe(state.plan, tx) is not None
+    step = zj.make_train_step(_stacked_loss, state)
+    for b in data:
+        state, _ = step(state, b)
+    ref = optax.contrib.muon(0.01, weight_decay=0.01, muon_weight_dimension_numbers=muon_dimension_numbers())
+    s, p = ref.init(params), params
+    for b in data:
+        g = jax.grad(_stacked_loss)(p, b)
+        u, s = ref.update(g, s, p)
+        p = optax.apply_updates(p, u)
+    assert max_rel_err(unshard_params(state), p) < 1e-5
+
+
+def test_a_bare_optax_muon_is_read_from_its_parts_and_runs_on_owners():
+    params, data = init_params(jax.random.PRNGKey(0)), batches(6)
+    make = lambda: optax.contrib.muon(0.02, beta=0.9, weight_decay=0.01, adam_b1=0.8)  # noqa: E731
+    state = zj.shard_train_state(params, make(), mesh=zj.make_mesh(), config=zj.ZeroConfig(stage=2))
+    recipe = muon_recipe(state.plan, state.tx)
+    assert recipe is not None and dict(recipe.constants)["adam_b1"] == pytest.approx(0.8)
+    step = zj.make_train_step(loss_fn, state)
+    for b in data:
+        state, _ = step(state, b)
+    assert max_rel_err(unshard_params(state), reference_run(params, make(), data).params) < 1e-5
+
+
+@pytest.mark.parametrize("make", [
+    lambda: optax.contrib.muon(optax.linear_schedule(0.02, 0.0, 10)),  # a schedule outside inject_hyperparams
+    lambda: optax.inject_hyperparams(optax.contrib.muon, static_args=("nesterov",))(learning_rate=0.02,
+                                                                                   nesterov=False),
+    lambda: optax.inject_hyperparams(optax.contrib.muon, static_args=("ns_steps",))(learning_rate=0.02, ns_steps=3),
+], ids=["schedule", "no-nesterov", "3-iterations"])
+def test_muon_like_transformations_not_recognised_run_through_optax(make):
+    params, data = init_params(jax.random.PRNGKey(0)), batches(4)
+    state = zj.shard_train_state(params, make(), mesh=zj.make_mesh(), config=zj.ZeroConfig(stage=1))
+    assert muon_recipe(state.plan, state.tx) is None
+    step = zj.make_train_step(loss_fn, state)
+    for b in data:
+        state, _ = step(state, b)
+    assert max_rel_err(unshard_params(state), reference_run(params, make(), data).params) < 1e-5
+
+
+def _layer_params(layers, d=32):
+    rng = np.random.default_rng(0)
+    return {f"l{i}": {"a": (rng.standard_normal((d, 4 * d)) / np.sqrt(d)).astype(np.float32),
+                      "b": (rng.standard_normal((4 * d, d)) / np.sqrt(4 * d)).astype(np.float32),
+                      "g": np.ones((d,), np.float32)} for i in range(layers)}
+
+
+def _layer_loss(p, batch):
+    h = batch["x"]
+    for i in range(len(p)):
+        h = (h + jnp.tanh(h @ p[f"l{i}"]["a"]) @ p[f"l{i}"]["b"]) * p[f"l{i}"]["g"]
+    return jnp.mean(h ** 2)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_collectives_do_not_follow_the_iterations_and_bytes_stay_within_adamws_plus_the_muon_params(stage):
+    params = _layer_params(8)
+    batch = {"x": np.random.default_rng(1).standard_normal((16, 32)).astype(np.float32)}
+    config = zj.ZeroConfig(stage=stage, param_persistence_threshold=0)
+    reports = {}
+    for name, tx in (("muon", optax.inject_hyperparams(optax.contrib.muon)(learning_rate=1e-3)),
+                     ("adamw", optax.adamw(1e-3))):
+        state = zj.shard_train_state(params, tx, mesh=zj.make_mesh(), config=config)
+        step = zj.make_train_step(_layer_loss, state)
+        reports[name] = collectives(step.lower(state, batch).compile().as_text())
+    muon, adamw = reports["muon"], reports["adamw"]
+    count = lambda r: sum(v[0] for v in r.kinds.values())  # noqa: E731
+    # two matrix shapes: one all-to-all to the owners and one back for each, whatever the iterations
+    assert muon.count("all-to-all") == 4
+    assert count(muon) - muon.count("all-to-all") <= count(adamw)
+    muon_bytes = 4 * sum(x.size for x in jax.tree_util.tree_leaves(params) if x.ndim == 2)
+    assert muon.total_bytes <= adamw.total_bytes + 1.0 * muon_bytes

@@ -192,6 +192,10 @@ SLOW = {
     "tests/checkpoint/test_checkpoint.py::test_resume_is_bitwise_exact": ("60 s, 2 precisions", "fp32"),
     "tests/models/test_classifier_task.py::test_a_few_fine_tuning_steps_reduce_the_loss": "36 s",
     "tests/runtime/test_distributed.py::test_ctrl_c_reaches_every_rank": "28 s, 2 processes",
+    "tests/stages/test_muon.py::test_stacked_leaves_share_stacks_with_2d_ones_and_match_optax":
+        "13 s under load, 248 programs; the 2-D owner tests stay",
+    "tests/stages/test_muon.py::test_collectives_do_not_follow_the_iterations_and_bytes_stay_within_adamws_plus_the_muon_params":
+        "13 s under load, a compile per iteration count",
 }
 
 

@@ -20,9 +20,8 @@ import argparse
 import os
 import statistics
 import tempfile
-import time
 
-from _common import simulate_devices
+from _common import simulate_devices, time_interleaved
 
 simulate_devices(8)
 
@@ -89,16 +88,7 @@ def main():
             state, m = step(state, batch)
         jax.block_until_ready(m)
         runs[name] = [step, state, []]
-    for r in range(args.rounds):
-        order = list(runs.items())
-        for name, run in order if r % 2 == 0 else order[::-1]:  # each contender first and last in turn
-            step, state, times = run
-            t0 = time.perf_counter()
-            for _ in range(args.steps):
-                state, m = step(state, batch)
-            jax.block_until_ready((state, m))
-            times.append((time.perf_counter() - t0) / args.steps)
-            run[1] = state
+    time_interleaved(runs, batch, args.rounds, args.steps)
     base = statistics.median(runs["off"][2])
     print(f"{'step':<14}{'median ms':>10}{'/ off':>8}{'caller us/step':>16}{'writer cpu us':>16}")
     for name, (step, _, times) in runs.items():

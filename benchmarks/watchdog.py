@@ -18,7 +18,7 @@ import argparse
 import statistics
 import time
 
-from _common import simulate_devices
+from _common import simulate_devices, time_interleaved
 
 simulate_devices(8)
 
@@ -81,16 +81,7 @@ def main():
             state, m = step(state, batch)
         jax.block_until_ready(m)
         runs[name] = [step, state, []]
-    for r in range(args.rounds):
-        order = list(runs.items())
-        for name, run in order if r % 2 == 0 else order[::-1]:
-            step, state, times = run
-            t0 = time.perf_counter()
-            for _ in range(args.steps):
-                state, m = step(state, batch)
-            jax.block_until_ready((state, m))
-            times.append((time.perf_counter() - t0) / args.steps)
-            run[1] = state
+    time_interleaved(runs, batch, args.rounds, args.steps)
     base = statistics.median(runs["off"][2])
     print(f"{'watchdog':<10}{'median ms':>10}{'/ off':>8}{'lowest ms':>11}{'highest ms':>12}")
     for name, (_, _, times) in runs.items():

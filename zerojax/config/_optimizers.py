@@ -98,8 +98,9 @@ MUON_SKIP = ("emb", "wte", "wpe", "head")
 
 
 def _path_str(path) -> str:
-    from zerojax._plan import path_str  # the spelling the plan's table prints
-    return path_str(path)
+    """'h0/mlp/kernel': the spelling the plan's table prints (zerojax._plan.path_str, which this
+    module cannot import without a cycle through zerojax.config)."""
+    return jax.tree_util.keystr(tuple(path), simple=True, separator="/")
 
 
 def muon_rule(path: str, shape) -> bool:

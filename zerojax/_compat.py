@@ -304,3 +304,15 @@ def mosaic_gpu_params():
         return plmgpu.CompilerParams()
     except (ImportError, AttributeError):  # pragma: no cover
         return None
+
+
+def lowered_on_cpu_as(cpu_fn, other_fn):
+    """A function that is ``cpu_fn`` in a program lowered for CPU and ``other_fn`` in one lowered
+    for any other platform (``jax.lax.platform_dependent``: both are traced, only the target's
+    is lowered), whatever machine traces it: a CPU-only construct (a host kernel's custom call)
+    never reaches a GPU program traced on a CPU machine."""
+
+    def fn(*args):
+        return jax.lax.platform_dependent(*args, cpu=cpu_fn, default=other_fn)
+
+    return fn

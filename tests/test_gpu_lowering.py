@@ -220,3 +220,16 @@ def test_control_memory_kinds_and_collectives_are_compared():
 
     problems = cuda_problems(jax.jit(total).trace(jnp.zeros(8, jnp.float32)))
     assert any("collectives differ" in p for p in problems), problems
+
+
+@pytest.mark.slow  # more programs of the same engines: combinations the quick tier covers one at a time
+def test_combinations_lower_for_cuda():
+    check_cuda(traced_step(fused_adam=True, stage=3, precision="fp16", param_persistence_threshold=0),
+               gpu_kernel=True)
+    check_cuda(traced_step(fused_adam=True, stage=1), gpu_kernel=True)
+    check_cuda(traced_step(stage=3, offload_optimizer="cpu", offload_ratio=0.5, param_persistence_threshold=0),
+               host_memory=True)
+    check_cuda(traced_step(stage=3, precision="bf16", quantized_weights=True, quantized_gradients=True,
+                           param_persistence_threshold=0))
+    check_cuda(traced_step(stage=3, precision="bf16", offload_optimizer="cpu", param_persistence_threshold=0),
+               host_memory=True)

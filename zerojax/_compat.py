@@ -264,3 +264,55 @@ def probe_jit(fn):
     :func:`probe_options` where there are any, elsewhere as usual."""
     options = probe_options()
     return jax.jit(fn, compiler_options=options) if options else jax.jit(fn)
+
+
+# Pallas's GPU backends: Triton (deprecated from JAX 0.11) and Mosaic GPU (JAX's default from then)
+_TRITON_DEPRECATED_FROM = (0, 11)
+
+
+def pallas_gpu_backend() -> str:
+    """The Pallas backend zerojax's kernels use on an NVIDIA GPU: ``"triton"`` on a JAX whose
+    Triton backend is not deprecated (before 0.11), otherwise JAX's default, ``"mosaic_gpu"``."""
+    if tuple(jax.__version_info__[:2]) < _TRITON_DEPRECATED_FROM and triton_params(4, 2) is not None:
+        return "triton"
+    return "mosaic_gpu"
+
+
+def triton_params(num_warps: int, num_stages: int):
+    """Triton compiler params for ``pallas_call``, wherever this JAX keeps them (None without
+    Triton). Passing them also picks the Triton backend over Mosaic GPU."""
+    try:
+        from jax.experimental.pallas import triton as pltriton
+
+        return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    except (ImportError, AttributeError):
+        pass
+    try:  # pragma: no cover - older jax releases
+        from jax.experimental.pallas import gpu as plgpu
+
+        return plgpu.TritonCompilerParams(num_warps=num_warps, num_stages=num_stages)
+    except (ImportError, AttributeError):
+        return None
+
+
+def mosaic_gpu_params():
+    """Mosaic GPU compiler params for ``pallas_call`` (None where this JAX has no Mosaic GPU
+    module, which leaves the choice to JAX's default)."""
+    try:
+        from jax.experimental.pallas import mosaic_gpu as plmgpu
+
+        return plmgpu.CompilerParams()
+    except (ImportError, AttributeError):  # pragma: no cover
+        return None
+
+
+def lowered_on_cpu_as(cpu_fn, other_fn):
+    """A function that is ``cpu_fn`` in a program lowered for CPU and ``other_fn`` in one lowered
+    for any other platform (``jax.lax.platform_dependent``: both are traced, only the target's
+    is lowered), whatever machine traces it: a CPU-only construct (a host kernel's custom call)
+    never reaches a GPU program traced on a CPU machine."""
+
+    def fn(*args):
+        return jax.lax.platform_dependent(*args, cpu=cpu_fn, default=other_fn)
+
+    return fn

@@ -115,6 +115,12 @@ class JittedStep(StepBase):
         self._check(state, batch)
         return self.jitted.lower(state, batch)
 
+    def trace(self, state, batch):
+        """The jax ``Traced`` of the step's program: ``.lower(lowering_platforms=("cuda",))``
+        lowers it for a platform other than this machine's (nothing is compiled or run)."""
+        self._check(state, batch)
+        return self.jitted.trace(state, batch)
+
     def __call__(self, state: TrainState, batch):
         self._check(state, batch)
         with self._compiling():

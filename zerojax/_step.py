@@ -108,8 +108,9 @@ def make_train_step(loss_fn: Callable, state: TrainState, *, has_aux: bool = Fal
 
     ``fused_adam``: update with the Pallas AdamW kernel (one in-place pass per leaf over the
     master, both moments and the gradient, writing the 16-bit params too) instead of optax's
-    separate loops; needs ``optax.inject_hyperparams(optax.adamw)``. Off by default; on CPU it
-    runs in interpret mode (for tests), on GPU through Triton. The host paths update on the
+    separate loops; needs ``optax.inject_hyperparams(optax.adamw)``. Off by default; lowered
+    for CPU it runs in interpret mode (for tests), lowered for a GPU as a GPU kernel (Triton on
+    JAX 0.10, Mosaic GPU from 0.11), whatever machine traces the step. The host paths update on the
     host, so ``fused_adam=True`` with them is an error naming the option.
 
     ``monitors``: a :class:`zerojax.monitor.Monitors` (CSV, TensorBoard, wandb, progress lines,
@@ -155,7 +156,7 @@ def _path_step(loss_fn, state, has_aux, donate, check_errors, fused_adam, fused_
                               f"state keeps them in {low} (ZeroConfig.master_weights_dtype / optimizer_state_dtype). "
                               "Fix: drop fused_adam (optax's update computes in fp32 and stores bf16), or keep fp32 "
                               "states")
-    # opt-in until the kernel's Triton lowering is measured inside the step on a GPU
+    # opt-in until the kernel's GPU lowering is measured inside the step on a GPU
     if fused_adam and not fused_adam_ok(state.tx):
         raise StepOptionError(f"fused_adam=True: the fused kernel computes Adam/AdamW (optax.adam / optax.adamw with "
                               "constant settings, or optax.inject_hyperparams of them, with bias correction, no mask, "

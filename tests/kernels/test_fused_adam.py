@@ -165,3 +165,55 @@ def test_fused_step_needs_adam():
     state = zj.shard_train_state(init_params(jax.random.PRNGKey(0)), optax.sgd(1e-2), config=zj.ZeroConfig(stage=2))
     with pytest.raises(zj.StepOptionError, match="computes Adam/AdamW"):
         zj.make_train_step(loss_fn, state, fused_adam=True)
+
+
+def lower_kernel_for(platform, n=10_000, block=4096, interpret=None):
+    from zerojax.kernels import _fused_adam as fa
+    f32, bf16 = jax.ShapeDtypeStruct((n,), jnp.float32), jax.ShapeDtypeStruct((n,), jnp.bfloat16)
+    scalar = jax.ShapeDtypeStruct((), jnp.float32)
+
+    def step(master, m, v, g, lr, scale):
+        return fa._fused_adamw(master, m, v, g, 3, lr, 0.9, 0.999, 1e-8, 0.01, scale,
+                               out_dtype=jnp.dtype(jnp.bfloat16), block_size=block,
+                               interpret=interpret, num_warps=4, num_stages=2)
+
+    return jax.jit(step).trace(f32, f32, f32, bf16, scalar, scalar).lower(
+        lowering_platforms=(platform,)).as_text()
+
+
+def test_the_default_follows_the_lowering_platform_not_the_machine():
+    """interpret=None: traced here, the CUDA lowering holds the GPU kernel, the CPU one none."""
+    try:
+        cuda = lower_kernel_for("cuda", n=9_000)
+    except Exception as e:  # this jaxlib cannot lower for GPU at all
+        pytest.skip(f"no GPU lowering in this jaxlib: {e}")
+    from zerojax._compat import pallas_gpu_backend
+    target = {"triton": "xla.gpu.triton", "mosaic_gpu": "mosaic_gpu"}[pallas_gpu_backend()]
+    assert cuda.count(target) == 1
+    cpu = lower_kernel_for("cpu", n=9_000)
+    assert "xla.gpu.triton" not in cpu and "mosaic_gpu" not in cpu and "custom_call" not in cpu
+
+
+def test_lowers_through_mosaic_gpu_where_jax_makes_it_the_default(monkeypatch):
+    """JAX 0.11 deprecates Triton: the kernel then goes through Mosaic GPU (256-element blocks,
+    sqrt as x * rsqrt(x)); lowered here on this JAX's Mosaic GPU by picking that branch."""
+    import warnings
+
+    import zerojax._compat as compat
+    try:
+        jax.jit(jnp.sin).trace(jnp.zeros(3)).lower(lowering_platforms=("cuda",))
+    except Exception as e:
+        pytest.skip(f"no GPU lowering in this jaxlib: {e}")
+    if compat.mosaic_gpu_params() is None:
+        pytest.skip("no Mosaic GPU in this jax")
+    monkeypatch.setattr(compat, "pallas_gpu_backend", lambda: "mosaic_gpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # pallas_call for Mosaic GPU, on JAX 0.10
+        text = lower_kernel_for("cuda", n=1_000, block=512)  # capped to 256: three blocks and a tail
+    assert text.count("mosaic_gpu") >= 1 and "xla.gpu.triton" not in text
+
+
+def test_mosaic_sqrt_matches_sqrt_at_zero_and_beyond():
+    from zerojax.kernels._fused_adam import _sqrt_by_rsqrt
+    x = jnp.asarray([0.0, 1e-30, 1e-8, 0.25, 2.0, 1e8], jnp.float32)
+    np.testing.assert_allclose(np.asarray(_sqrt_by_rsqrt(x)), np.sqrt(np.asarray(x)), rtol=1e-6)

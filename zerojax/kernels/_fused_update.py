@@ -17,7 +17,8 @@ def fused_adam_ok(tx) -> bool:
 
 
 def fused_adamw_update(plan: ZeroPlan, tx, recipe, master, opt_state, grads, block_size: int = 4096):
-    """AdamW through the Pallas kernel (``zerojax.offload.fused_adamw``): one pass per leaf over
+    """AdamW through the Pallas kernel (``zerojax.kernels._fused_adam.fused_adamw``; interpret mode
+    or a GPU kernel as the platform the step is lowered for asks): one pass per leaf over
     this device's partition of the fp32 master, both moments and the gradient, in storage
     layout (padding stays zero), writing the compute-dtype params in the same pass.
     Returns ``(params_c, master, opt_state)``; the state's counts and hyperparameters (a
@@ -30,14 +31,13 @@ def fused_adamw_update(plan: ZeroPlan, tx, recipe, master, opt_state, grads, blo
     count = adam.count + 1
     specs = plan.map(lambda lay: lay.data_spec(plan.opt_partitioned(lay), axis))
     cdt = plan.compute_dtype
-    interpret = plan.mesh.devices.flat[0].platform == "cpu"
 
     def body(p, m, v, g):
         def one(p, m, v, g):
             shape = p.shape
             out = fused_adamw(p.reshape(-1), m.reshape(-1), v.reshape(-1), g.reshape(-1), count,
                               hp["learning_rate"], hp["b1"], hp["b2"], hp["eps"], hp["weight_decay"],
-                              out_dtype=cdt, block_size=block_size, interpret=interpret)
+                              out_dtype=cdt, block_size=block_size)
             return tuple(x.reshape(shape) for x in out)
 
         flat = [plan.treedef.flatten_up_to(t) for t in (p, m, v, g)]

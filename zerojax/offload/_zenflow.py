@@ -341,11 +341,16 @@ class ZenFlowStep(StepBase):
 
     def lower(self, state: TrainState, batch):
         """The jax Lowered of the device program the next step runs (nothing is updated)."""
+        return self.trace(state, batch).lower()
+
+    def trace(self, state: TrainState, batch):
+        """The jax Traced of the device program the next step runs (nothing is updated):
+        ``.lower(lowering_platforms=("cuda",))`` lowers it for another platform."""
         self._check(state, batch)
         warm, reselect = self._variant()
         dev = self.dev if self.dev is not None else self._init_dev(state.params)
         rng = jax.random.fold_in(state.rng, state.step)
-        return self._device_step.lower(state.params, dev, batch, rng,
+        return self._device_step.trace(state.params, dev, batch, rng,
                                        jnp.float32(self.settings.peek()["learning_rate"]),
                                        reselect=reselect, warm=warm)
 

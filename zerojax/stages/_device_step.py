@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import zerojax._placement as placement
-from zerojax._compat import compute_on_host
+from zerojax._compat import compute_on_host, lowered_on_cpu_as
 from zerojax._contract import METRIC_KEYS, JittedStep
 from zerojax.kernels._fused_update import fused_adamw_update
 from zerojax._low_precision import update_key
@@ -52,7 +52,10 @@ def _update_fn(loss_fn: Callable, plan: ZeroPlan, tx, has_aux: bool, fused_adam:
 
     host_apply = None
     if plan.host_update:  # the native host kernel on CPU meshes, else the update under compute_on
-        host_apply = native_host_apply_fn(plan, tx) or compute_on_host(host_apply_fn(plan, tx))
+        host_apply = compute_on_host(host_apply_fn(plan, tx))
+        native = native_host_apply_fn(plan, tx)
+        if native is not None:  # a CPU-only custom call: the program lowered for a GPU keeps compute_on
+            host_apply = lowered_on_cpu_as(native, host_apply)
     # Adam/AdamW, SGD momentum on fp32 states: one gated pass, no select over the state (stages/gated.py)
     recipe = adam_recipe(tx) if fused_adam else None
     gated = None if fused_adam else plan_recipe(plan, tx)

@@ -1,0 +1,235 @@
+"""Every engine's step lowered for CUDA on the simulated 8-device CPU mesh: what a GPU needs.
+
+A CPU-only suite never compiles for a GPU, so a step that traces here but cannot run there
+(a CPU-only custom call, a host callback, a kernel left in interpret mode, a collective that only
+the CPU program has) would pass every other test. JAX lowers for another platform without its
+devices: ``step.trace(state, batch).lower(lowering_platforms=("cuda",))``. :func:`check_cuda`
+lowers each step for CUDA and for this machine and checks that
+
+* it lowers for CUDA at all;
+* no custom call is one a GPU lacks (only XLA's placement/sharding markers and the GPU kernels),
+  and no host callback is left in the program;
+* host memory (``pinned_host``) appears where state is offloaded and nowhere else;
+* the collectives of the CPU lowering are all in the CUDA one (op counts of all-gather,
+  reduce-scatter, all-reduce, all-to-all and collective-permute, equal);
+* a ``fused_adam=True`` step holds the GPU kernel's custom call (``xla.gpu.triton`` on JAX
+  0.10), and no other step does.
+
+The controls at the end show each check failing on a program built to break it.
+"""
+import collections
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import zerojax as zj
+from tests.helpers import batches, init_params, loss_fn
+from zerojax._compat import pallas_gpu_backend, shard_map
+
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "collective_permute")
+_COLLECTIVE = re.compile(r"stablehlo\.(" + "|".join(COLLECTIVES) + r")\b")
+_TARGET = re.compile(r'custom_call @([\w.$-]+)|call_target_name = "([^"]+)"')
+# the GPU kernel a fused step must hold, by the Pallas backend zerojax uses for CUDA
+GPU_KERNEL = {"triton": "xla.gpu.triton", "mosaic_gpu": "mosaic_gpu"}
+# custom calls a GPU program may hold: XLA's memory-placement and sharding markers, the kernels
+GPU_TARGETS = {"annotate_device_placement", "MoveToHost", "MoveToDevice", "Sharding", "SPMDFullToShardShape",
+               "SPMDShardToFullShape", "xla.gpu.triton", "mosaic_gpu", "mosaic_gpu_v2"}
+
+
+def collectives(text: str) -> collections.Counter:
+    return collections.Counter(_COLLECTIVE.findall(text))
+
+
+def custom_calls(text: str) -> collections.Counter:
+    """Custom-call targets, without a platform tag (``__gpu$xla.gpu.triton``: ``xla.gpu.triton``)."""
+    return collections.Counter((a or b).rpartition("$")[2] for a, b in _TARGET.findall(text))
+
+
+def cuda_problems(traced, *, host_memory: bool = False, gpu_kernel: bool = False) -> list:
+    """What keeps ``traced`` (a jax ``Traced``) from running on a GPU; empty when nothing does."""
+    try:
+        cuda = traced.lower(lowering_platforms=("cuda",)).as_text()
+    except Exception as e:  # noqa: BLE001 - any refusal is the finding
+        return [f"does not lower for CUDA: {type(e).__name__}: {str(e)[:400]}"]
+    cpu = traced.lower().as_text()
+    problems = []
+    targets = custom_calls(cuda)
+    foreign = sorted(t for t in targets if t not in GPU_TARGETS and not t.startswith("mosaic_gpu"))
+    if foreign:
+        problems.append(f"custom calls a GPU lacks or must not run in a step: {foreign}")
+    if ("pinned_host" in cuda) != host_memory:
+        problems.append("host memory (pinned_host) " + ("missing" if host_memory else "where nothing is offloaded"))
+    if collectives(cpu) != collectives(cuda):
+        problems.append(f"collectives differ: CPU {dict(collectives(cpu))}, CUDA {dict(collectives(cuda))}")
+    kernel = GPU_KERNEL[pallas_gpu_backend()]
+    kernels = sum(n for t, n in targets.items() if t.startswith(kernel))
+    if gpu_kernel and not kernels:
+        problems.append(f"no GPU kernel ({kernel}) in the CUDA program")
+    if kernels and not gpu_kernel:
+        problems.append(f"{kernels} unexpected GPU kernel call(s) ({kernel})")
+    return problems
+
+
+def check_cuda(traced, **expect):
+    problems = cuda_problems(traced, **expect)
+    assert not problems, "; ".join(problems)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cuda_lowering_available():
+    try:
+        jax.jit(jnp.sin).trace(jnp.zeros(3)).lower(lowering_platforms=("cuda",))
+    except Exception as e:  # noqa: BLE001
+        pytest.skip(f"this jaxlib cannot lower for CUDA: {e}")
+
+
+def adamw():
+    return optax.inject_hyperparams(optax.adamw)(learning_rate=1e-3, weight_decay=0.1)
+
+
+def traced_step(fused_adam=False, tx=None, **config):
+    state = zj.shard_train_state(init_params(jax.random.PRNGKey(0)), tx or adamw(), config=zj.ZeroConfig(**config))
+    step = zj.make_train_step(loss_fn, state, fused_adam=fused_adam, fused_block_size=16)
+    return step.trace(state, batches(1)[0])
+
+
+def test_stages_0_to_3_lower_for_cuda_with_their_collectives():
+    for stage in range(4):
+        check_cuda(traced_step(stage=stage, param_persistence_threshold=0))
+
+
+def test_bf16_and_fp16_steps_lower_for_cuda():
+    check_cuda(traced_step(stage=3, precision="bf16", param_persistence_threshold=0))
+    check_cuda(traced_step(stage=2, precision="fp16"))
+
+
+def test_optimizer_offload_keeps_host_memory_and_no_cpu_only_kernel():
+    """On a CPU mesh the host update is the native kernel's custom call; the CUDA program holds
+    the portable update under compute_on instead (the control below shows the difference)."""
+    check_cuda(traced_step(stage=2, offload_optimizer="cpu"), host_memory=True)
+    check_cuda(traced_step(stage=3, offload_optimizer="cpu", offload_param="cpu", param_persistence_threshold=0),
+               host_memory=True)
+    text = traced_step(stage=1, precision="bf16", offload_optimizer="cpu").lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert '_xla_compute_type = "host"' in text  # the update runs on the host, in the same program
+
+
+def test_fused_adam_step_holds_the_gpu_kernel():
+    traced = traced_step(fused_adam=True, stage=2, precision="bf16")
+    check_cuda(traced, gpu_kernel=True)
+    text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    if pallas_gpu_backend() == "triton":
+        assert text.count("xla.gpu.triton") >= 1
+    # the same trace lowered for CPU runs the kernel in interpret mode: no GPU call there
+    assert not any(t.startswith(("xla.gpu", "mosaic")) for t in custom_calls(traced.lower().as_text()))
+
+
+def test_zeropp_qwz_hpz_qgz_at_stage3_lower_for_cuda():
+    traced = traced_step(stage=3, quantized_weights=True, hpz_partition_size=2, quantized_gradients=True,
+                         param_persistence_threshold=0)
+    check_cuda(traced)
+    assert collectives(traced.lower(lowering_platforms=("cuda",)).as_text())["all_to_all"] > 0  # qgZ
+
+
+def test_zenflow_device_program_lowers_for_cuda():
+    config = zj.ZeroConfig(stage=2, offload_optimizer="cpu", param_persistence_threshold=0,
+                           zenflow={"topk_ratio": 0.25, "update_interval": 2})
+    state = zj.shard_train_state(init_params(jax.random.PRNGKey(0)), adamw(), config=config)
+    step = zj.make_train_step(loss_fn, state)
+    check_cuda(step.trace(state, batches(1)[0]))
+
+
+def test_autotp_step_lowers_for_cuda():
+    params = {"q_proj": {"kernel": np.ones((8, 8), np.float32)}, "o_proj": {"kernel": np.ones((8, 8), np.float32)}}
+
+    def loss(p, b):
+        return jnp.sum(jnp.tanh(b["x"] @ p["q_proj"]["kernel"]) @ p["o_proj"]["kernel"])
+
+    state = zj.shard_train_state(params, optax.adamw(1e-3), mesh=zj.autotp_mesh(2),
+                                 config=zj.ZeroConfig(stage=2, autotp_size=2))
+    check_cuda(zj.make_train_step(loss, state).trace(state, {"x": np.ones((8, 8), np.float32)}))
+
+
+def gpt_tokens(cfg, rows):
+    return np.random.default_rng(0).integers(0, cfg.vocab, (rows, cfg.seq_len + 1)).astype(np.int32)
+
+
+def test_ulysses_step_lowers_for_cuda_with_its_all_to_alls():
+    from zerojax.models import gpt
+    cfg = gpt.GPTConfig(vocab=32, n_layer=1, d_model=16, n_head=4, seq_len=8)
+    toks = gpt_tokens(cfg, 8)
+    state, step = zj.initialize(gpt.init_params(cfg, jax.random.PRNGKey(0)), gpt.loss_fn(cfg),
+                                zj.ZeroConfig(stage=3, sequence_parallel_size=2, param_persistence_threshold=0),
+                                optimizer=optax.adamw(1e-3))
+    traced = step.trace(state, {"inputs": toks[:, :-1], "labels": toks[:, 1:]})
+    check_cuda(traced)
+    assert collectives(traced.lower(lowering_platforms=("cuda",)).as_text())["all_to_all"] >= 4
+
+
+def test_pipeline_step_lowers_for_cuda_with_its_sends():
+    from zerojax.models import gpt
+    from zerojax.models.gpt_pipeline import gpt_pipeline, init_pipeline_params
+    cfg = gpt.GPTConfig(vocab=32, n_layer=2, d_model=16, n_head=2, seq_len=4)
+    state = zj.shard_train_state(init_pipeline_params(cfg, jax.random.PRNGKey(0)), optax.adamw(1e-3),
+                                 mesh=zj.make_mesh((2, 4), ("pipe", "data")),
+                                 config=zj.ZeroConfig(stage=1, gradient_accumulation_steps=2))
+    traced = zj.make_train_step(gpt_pipeline(cfg), state).trace(state, {"tokens": gpt_tokens(cfg, 16)})
+    check_cuda(traced)
+    assert collectives(traced.lower(lowering_platforms=("cuda",)).as_text())["collective_permute"] > 0
+
+
+# --------------------------------------------------------------------------- the checks can fail
+def test_control_a_host_callback_is_refused_or_flagged():
+    traced = jax.jit(lambda x: jax.pure_callback(np.sin, jax.ShapeDtypeStruct(x.shape, x.dtype), x) * 2).trace(
+        jnp.zeros(4, jnp.float32))
+    problems = cuda_problems(traced)
+    assert problems and ("custom calls a GPU lacks" in problems[0] or "does not lower" in problems[0])
+
+
+def test_control_the_native_host_kernel_is_flagged_where_it_would_reach_a_gpu(monkeypatch):
+    """The offloaded step before its host update followed the lowering platform: the native
+    host kernel's custom call (CPU only) in the CUDA program."""
+    import zerojax.stages._device_step as device_step
+    monkeypatch.setattr(device_step, "lowered_on_cpu_as", lambda cpu_fn, other_fn: cpu_fn)
+    problems = cuda_problems(traced_step(stage=2, offload_optimizer="cpu"), host_memory=True)
+    assert any("zerojax_host_adamw" in p for p in problems), problems
+
+
+def test_control_a_kernel_left_in_interpret_mode_is_flagged(monkeypatch):
+    """The fused step as it was when the machine, not the target, chose interpret mode."""
+    import zerojax.kernels._fused_update as fused_update
+    monkeypatch.setattr(fused_update, "fused_adamw", functools.partial(fused_update.fused_adamw, interpret=True))
+    problems = cuda_problems(traced_step(fused_adam=True, stage=2, precision="bf16"), gpu_kernel=True)
+    assert any("no GPU kernel" in p for p in problems), problems
+
+
+def test_control_memory_kinds_and_collectives_are_compared():
+    assert any("missing" in p for p in cuda_problems(traced_step(stage=2), host_memory=True))
+    assert any("where nothing is offloaded" in p for p in cuda_problems(traced_step(stage=2, offload_optimizer="cpu")))
+    mesh = zj.make_mesh()
+
+    def total(x):  # a sum over the devices on CPU only: the CUDA program lost its all-reduce
+        summed = shard_map(lambda v: jax.lax.psum(v, "data"), mesh, in_specs=P("data"), out_specs=P())
+        return jax.lax.platform_dependent(x, cpu=summed, default=lambda v: v[:1])
+
+    problems = cuda_problems(jax.jit(total).trace(jnp.zeros(8, jnp.float32)))
+    assert any("collectives differ" in p for p in problems), problems
+
+
+@pytest.mark.slow  # more programs of the same engines: combinations the quick tier covers one at a time
+def test_combinations_lower_for_cuda():
+    check_cuda(traced_step(fused_adam=True, stage=3, precision="fp16", param_persistence_threshold=0),
+               gpu_kernel=True)
+    check_cuda(traced_step(fused_adam=True, stage=1), gpu_kernel=True)
+    check_cuda(traced_step(stage=3, offload_optimizer="cpu", offload_ratio=0.5, param_persistence_threshold=0),
+               host_memory=True)
+    check_cuda(traced_step(stage=3, precision="bf16", quantized_weights=True, quantized_gradients=True,
+                           param_persistence_threshold=0))
+    check_cuda(traced_step(stage=3, precision="bf16", offload_optimizer="cpu", param_persistence_threshold=0),
+               host_memory=True)

@@ -223,8 +223,11 @@ BUDGET = {
                                          "(a killed worker, a failing rank, Ctrl-C, torchrun's variables)",
     "tests/test_autotp.py": "62 s: Hugging Face GPT-2 and Llama trained under AutoTP at stages 1-3, and the "
                             "AutoTP benchmark's smoke run (21 s)",
-    "tests/runtime/test_faults.py": "75 s idle: 10 launched jobs of 1-2 processes (a stuck process with its 8 s "
-                                    "deadline and a restart, SIGTERM at a step and during a save, each resumed)",
+    "tests/runtime/test_faults.py": "75 s idle, 160 s at load 8: 9 launched jobs of 1-2 processes (a stuck process "
+                                    "with its 8 s deadline and a restart, SIGTERM at a step and during a save, each "
+                                    "resumed) and the watchdog benchmark's smoke run",
+    "tests/stages/test_muon.py": "77 s at load 8: Muon on owners against optax at stages 1-3, with accumulation, "
+                                 "stacked leaves and a compile per Newton-Schulz iteration count (994 programs)",
 }
 
 

@@ -8,6 +8,7 @@ import optax
 import pytest
 
 import zerojax as zj
+from zerojax.runtime._watchdog import WatchedStep
 from tests.helpers import run_benchmark
 from zerojax.models.gpt import GPTConfig
 from zerojax.models.gpt_pipeline import gpt_pipeline, init_pipeline_params
@@ -45,6 +46,7 @@ def run(pipe, tx, data, shape, **config):
     mesh = zj.make_mesh(shape, ("pipe", "data"))
     state = zj.shard_train_state(PARAMS, tx, mesh=mesh, config=zj.ZeroConfig(**config))
     step = zj.make_train_step(pipe, state)
+    assert isinstance(step, WatchedStep)  # the pipeline engine's step is watched like every other
     out = []
     for b in data:
         state, m = step(state, b)

@@ -49,6 +49,7 @@ import time
 import weakref
 from typing import Any, Optional
 
+from zerojax._compat import distributed_is_initialized
 from zerojax._contract import StepWrapper
 
 __all__ = ["DEFAULT_STEP_TIMEOUT", "Event", "FACTOR", "FLOOR", "Ledger", "PREEMPTED_EXIT", "STUCK_EXIT",
@@ -262,7 +263,7 @@ class Watchdog:
         self._ready_event = threading.Event()
         self._wake = threading.Event()
         self.notice: Optional[int] = None  # the preemption signal received (one process)
-        self.distributed = _distributed_client() is not None
+        self.distributed = distributed_is_initialized()
         self.enabled = False
         self._stacks = None
         self._threads_started = False
@@ -468,15 +469,6 @@ _handler._zerojax = True  # type: ignore[attr-defined]
 
 def _main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
-
-
-def _distributed_client():
-    try:
-        from jax._src import distributed
-
-        return distributed.global_state.client
-    except (ImportError, AttributeError):  # pragma: no cover - a jax without it
-        return None
 
 
 _LISTENING: list = []

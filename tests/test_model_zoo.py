@@ -184,6 +184,8 @@ def test_autotp_splits_every_attention_projection_by_heads_and_names_what_it_lea
         assert got[f"layers/{i}/mlp/down_proj/w"] == ("row", 0)
         assert got[f"layers/{i}/input_layernorm/w"] == ("replicated", None)
     assert got["embedder/input_embedding"] == ("replicated", None)
+    vocab = {lay.path: (lay.rule, lay.dim) for lay in autotp_leaves(params, 2, vocab_parallel=True)}
+    assert vocab["embedder/input_embedding"] == ("vocab", 0)  # tunix's and gemma's name for the table
 
     with pytest.warns(zj.AutoTPCoverageWarning) as caught:
         plan = zj.ZeroPlan.create(params, zj.autotp_mesh(2), zj.ZeroConfig(stage=3, autotp_size=2))
@@ -207,7 +209,7 @@ def test_gemma_and_maxtext_layouts_by_heads():
     got = rules_of(gemma)
     assert got == {"attn/q_einsum/w": ("column", 0), "attn/kv_einsum/w": ("column", 1),
                    "attn/attn_vec_einsum/w": ("row", 0)}
-    # the same names with d_model first (as the brief of another zoo writes kv_einsum): found by d_model
+    # the same names with d_model first (as some ports write kv_einsum): found against d_model
     assert rules_of({"attn": {"kv_einsum": {"w": z((2, 16, 2, 8))}, "attn_vec_einsum": {"w": z((4, 8, 16))}}})[
         "attn/kv_einsum/w"] == ("column", 2)
     maxtext = {"self_attention": {"query": {"kernel": z((16, 4, 8)), "bias": z((4, 8))},

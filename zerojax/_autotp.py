@@ -58,7 +58,8 @@ COLUMN = frozenset({"q_proj", "k_proj", "v_proj", "query", "key", "value", "qkv_
                     "gate_proj", "up_proj", "gate_up_proj", "c_attn", "c_fc", "wq", "wk", "wv", "w1", "w3",
                     "fc1", "fc_in", "dense_h_to_4h"})
 ROW = frozenset({"o_proj", "down_proj", "out_proj", "c_proj", "wo", "w2", "fc2", "fc_out", "dense_4h_to_h"})
-VOCAB = frozenset({"embed_tokens", "wte", "word_embeddings", "tok_embeddings", "embed_in", "lm_head", "embed_out"})
+VOCAB = frozenset({"embed_tokens", "wte", "word_embeddings", "tok_embeddings", "embed_in", "lm_head", "embed_out",
+                   "embedder"})  # tunix's and gemma's embedder/input_embedding [vocab, d_model]
 _GPT2 = frozenset({"c_attn", "c_fc", "c_proj"})  # Conv1D-style names whose orientation is read from c_attn
 # einsum attention weights with a heads dimension (tunix, MaxText, gemma, Flax's DenseGeneral): the
 # query/key/value names split by heads (column parallel), the output names by heads on their input side
@@ -378,7 +379,7 @@ def warn_whole(leaves, autotp_size: int) -> None:
     listed = "; ".join(f"{lay.path} {lay.shape}: {lay.why}" for lay in whole)
     warnings.warn(
         f"AutoTP (autotp_size={autotp_size}) splits {split} leaves over {MODEL!r} and leaves {len(whole)} "
-        f"weights whole on it (every device of a tensor-parallel group stores and computes them in full): "
+        f"weight{'s' if len(whole) != 1 else ''} whole on it (every device of a tensor-parallel group stores and computes them in full): "
         f"{listed}. Where that matters, annotate them (param_specs=, or nnx.with_partitioning / "
         f"nn.with_partitioning read by zj.nnx_params / zj.linen_params with rules=), or set "
         f"vocab_parallel_lm_head for the embedding and head; zj.autotp_describe(params, {autotp_size}) lists "

@@ -379,7 +379,8 @@ def warn_whole(leaves, autotp_size: int) -> None:
     listed = "; ".join(f"{lay.path} {lay.shape}: {lay.why}" for lay in whole)
     warnings.warn(
         f"AutoTP (autotp_size={autotp_size}) splits {split} leaves over {MODEL!r} and leaves {len(whole)} "
-        f"weight{'s' if len(whole) != 1 else ''} whole on it (every device of a tensor-parallel group stores and computes them in full): "
+        f"weight{'s' if len(whole) != 1 else ''} whole on it (every device of a tensor-parallel group stores "
+        f"and computes them in full): "
         f"{listed}. Where that matters, annotate them (param_specs=, or nnx.with_partitioning / "
         f"nn.with_partitioning read by zj.nnx_params / zj.linen_params with rules=), or set "
         f"vocab_parallel_lm_head for the embedding and head; zj.autotp_describe(params, {autotp_size}) lists "

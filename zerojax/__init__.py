@@ -18,6 +18,7 @@ The data flow, and where each part lives:
     runtime/  multi-process start-up and the launcher
 """
 # errors first: every other module raises them
+from zerojax._errors import AutoTPCoverageWarning as AutoTPCoverageWarning
 from zerojax._errors import AutotuneError as AutotuneError
 from zerojax._errors import BatchError as BatchError
 from zerojax._errors import CheckpointError as CheckpointError
@@ -38,7 +39,7 @@ from zerojax._errors import StepOptionError as StepOptionError
 from zerojax._errors import ZeroJaxError as ZeroJaxError
 from zerojax._errors import ZeroJaxWarning as ZeroJaxWarning
 
-__all__ = ["AutotuneError", "BatchError", "CheckpointError", "ConfigError", "DeprecatedKeyWarning", "DistributedError",
+__all__ = ["AutoTPCoverageWarning", "AutotuneError", "BatchError", "CheckpointError", "ConfigError", "DeprecatedKeyWarning", "DistributedError",
            "HostUpdateWarning", "IgnoredKeysWarning", "LaunchError", "LossScaleError", "NativeKernelWarning",
            "NonFiniteError", "NvmeError", "OptimizerError", "PipelineKeyWarning", "StateError", "StepOptionError",
            "ZeroJaxError", "ZeroJaxWarning"]

@@ -11,8 +11,17 @@ over ``"model"`` chosen from the name of the layer that owns the leaf:
   ``out_proj``, GPT-2's ``c_proj``; their biases stay whole;
 * with ``vocab_parallel=True``, the token embedding (``embed_tokens``, ``wte``, ...) and
   ``lm_head`` split along the vocabulary;
+* einsum attention weights with a heads dimension (tunix, MaxText, gemma: ``q_proj`` /
+  ``query`` / ``q_einsum`` ``[d_model, heads, head_dim]`` or ``[heads, d_model, head_dim]``,
+  ``kv_einsum`` ``[2, kv_heads, d_model, head_dim]``, ``o_proj`` / ``out`` / ``attn_vec_einsum``
+  ``[heads, head_dim, d_model]``): q/k/v split by heads (column parallel, a ``[heads, head_dim]``
+  bias too), the output projection by heads on its input side (row parallel). Which dim holds the
+  heads is read against the d_model of the block's output projection. kv heads that do not
+  divide N stay whole (DeepSpeed splits whole heads unevenly, which a sharding cannot);
 * everything else (norms, position embeddings, leaves no rule covers) stays replicated on
-  ``"model"``, and so does a covered leaf whose split dimension does not divide N.
+  ``"model"``, and so does a covered leaf whose split dimension does not divide N. The
+  weights (2-D and up) left whole are named in one :class:`AutoTPCoverageWarning` when a plan
+  is built.
 
 A Flax ``Dense``/``nnx.Linear`` kernel is ``[in, out]``. Hugging Face's Flax GPT-2 keeps its
 Conv1D kernels ``[out, in]`` (``c_attn`` is ``[3 * hidden, hidden]``): the orientation of the
@@ -29,13 +38,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from typing import Any, Optional, Tuple
 
 import jax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zerojax._errors import ConfigError
+from zerojax._errors import AutoTPCoverageWarning, ConfigError
 from zerojax._mesh import MODEL, SEQ, make_mesh
 
 __all__ = ["COLUMN", "MODEL", "ROW", "VOCAB", "TPLeaf", "autotp_describe", "autotp_leaves", "autotp_mesh",
@@ -48,9 +58,16 @@ COLUMN = frozenset({"q_proj", "k_proj", "v_proj", "query", "key", "value", "qkv_
                     "gate_proj", "up_proj", "gate_up_proj", "c_attn", "c_fc", "wq", "wk", "wv", "w1", "w3",
                     "fc1", "fc_in", "dense_h_to_4h"})
 ROW = frozenset({"o_proj", "down_proj", "out_proj", "c_proj", "wo", "w2", "fc2", "fc_out", "dense_4h_to_h"})
-VOCAB = frozenset({"embed_tokens", "wte", "word_embeddings", "tok_embeddings", "embed_in", "lm_head", "embed_out"})
+VOCAB = frozenset({"embed_tokens", "wte", "word_embeddings", "tok_embeddings", "embed_in", "lm_head", "embed_out",
+                   "embedder"})  # tunix's and gemma's embedder/input_embedding [vocab, d_model]
 _GPT2 = frozenset({"c_attn", "c_fc", "c_proj"})  # Conv1D-style names whose orientation is read from c_attn
-_PARAM_NAMES = frozenset({"kernel", "bias", "weight", "embedding", "scale"})
+# einsum attention weights with a heads dimension (tunix, MaxText, gemma, Flax's DenseGeneral): the
+# query/key/value names split by heads (column parallel), the output names by heads on their input side
+HEAD_COLUMN = frozenset({"q_proj", "k_proj", "v_proj", "query", "key", "value", "wq", "wk", "wv", "q_einsum",
+                         "k_einsum", "v_einsum", "kv_einsum", "qkv_einsum"})
+HEAD_ROW = frozenset({"o_proj", "out_proj", "wo", "out", "o_einsum", "attn_vec_einsum"})
+_HEADS_FIRST = frozenset({"q_einsum", "k_einsum", "v_einsum", "kv_einsum", "qkv_einsum"})  # gemma: [heads, d, hd]
+_PARAM_NAMES = frozenset({"kernel", "bias", "weight", "embedding", "scale", "w"})
 _BOX = frozenset({"value", "raw_value"})  # NNX Variable attributes that may end a path
 
 
@@ -170,6 +187,8 @@ def mesh_for(config, mesh=None) -> Mesh:
 
 # --------------------------------------------------------------------------- rules
 def _parts(path) -> list:
+    if len(path) > 1 and isinstance(path[-1], jax.tree_util.GetAttrKey) and path[-1].name in _BOX:
+        path = path[:-1]  # an nnx.Variable's .value, whatever the Variable's name (tunix: input_embedding)
     parts = jax.tree_util.keystr(path, simple=True, separator="/").split("/")  # as zerojax._plan.path_str
     while len(parts) > 1 and parts[-1] in _BOX and parts[-2] in _PARAM_NAMES:
         parts.pop()  # nnx.State paths end in the Variable's .value
@@ -193,6 +212,52 @@ def _gpt2_out_first(flat) -> bool:
     return False
 
 
+def _widths(flat) -> dict:
+    """d_model of each attention block, by the path above its layers, read from its einsum output
+    projection ``[heads, head_dim, d_model]``: it tells which dim of a ``[a, b, head_dim]`` query
+    weight holds the heads (``[d_model, heads, head_dim]`` in tunix and MaxText, ``[heads,
+    d_model, head_dim]`` in gemma)."""
+    out = {}
+    for parts, leaf in flat:
+        layer, name = _layer_of(parts)
+        shape = tuple(getattr(leaf, "shape", ()))
+        if layer in HEAD_ROW and len(shape) == 3 and name != "bias":
+            out["/".join(parts[:-2])] = int(shape[2])
+    return out
+
+
+def _heads(path: str, parts, shape, n: int, width: Optional[int]) -> Optional[TPLeaf]:
+    """The heads rule for an einsum attention weight (3-D, or 4-D with a leading q/k/v stack of 2 or
+    3), or None where it does not apply: query/key/value split by heads (column parallel), the
+    output projection ``[heads, head_dim, d_model]`` by heads on its input side (row parallel)."""
+    layer, name = _layer_of(parts)
+    if layer in HEAD_ROW and len(shape) == 3 and name != "bias":
+        kind, dim, what = "row", 0, f"row-parallel {layer} [heads, head_dim, d_model] (heads, its input side)"
+    elif layer in HEAD_COLUMN and len(shape) == 2 and name == "bias":
+        kind, dim, what = "column", 0, f"bias [heads, head_dim] of column-parallel {layer}"
+    elif layer in HEAD_COLUMN and len(shape) in (3, 4) and name != "bias":
+        stack = len(shape) - 3  # gemma's kv_einsum [2, kv_heads, d, hd], qkv_einsum [3, heads, d, hd]
+        if stack and shape[0] not in (2, 3):
+            return None
+        a, b = stack, stack + 1  # [..., a, b, head_dim]: one of a, b is d_model, the other the heads
+        if width is not None and (shape[a] == width) != (shape[b] == width):
+            dim = b if shape[a] == width else a
+        else:
+            dim = a if layer in _HEADS_FIRST else b
+        kind, what = "column", f"column-parallel {layer} (heads)"
+    else:
+        return None
+    if shape[dim] % n:
+        kv = layer in HEAD_COLUMN and layer not in ("q_proj", "query", "wq", "q_einsum", "qkv_einsum")
+        why = (f"{what}: {shape[dim]} {'kv ' if kv else ''}heads (dim {dim}) do not divide autotp_size {n}: left "
+               f"whole on {MODEL!r}")
+        if kv:
+            why += (" (each device computes every kv head, as Megatron-LM keeps kv heads whole when there are "
+                    "fewer than the TP ranks; the query heads stay split)")
+        return TPLeaf(path, shape, "replicated", None, why)
+    return TPLeaf(path, shape, kind, dim, f"{what}: dim {dim} split over {MODEL!r}")
+
+
 def _user_spec(leaf, user_spec, data_axis: str):
     """The user's annotation when it names a mesh axis other than the data axis, else None."""
     spec = user_spec
@@ -205,10 +270,14 @@ def _user_spec(leaf, user_spec, data_axis: str):
     return spec if names else None
 
 
-def _decide(path: str, parts, leaf, n: int, out_first: bool, vocab_parallel: bool) -> TPLeaf:
+def _decide(path: str, parts, leaf, n: int, out_first: bool, vocab_parallel: bool,
+            width: Optional[int] = None) -> TPLeaf:
     shape = tuple(int(s) for s in leaf.shape)
     layer, name = _layer_of(parts)
     matrix = len(shape) == 2
+    heads = _heads(path, parts, shape, n, width)
+    if heads is not None:
+        return heads
     if layer in COLUMN or layer in ROW:
         kind = "column" if layer in COLUMN else "row"
         flipped = out_first and layer in _GPT2  # [out, in]
@@ -244,6 +313,7 @@ def autotp_leaves(params, autotp_size: int, param_specs=None, *, vocab_parallel:
     user = treedef.flatten_up_to(param_specs) if param_specs is not None else [None] * len(flat)
     named = [(_parts(path), leaf) for path, leaf in flat]
     out_first = _gpt2_out_first(named)
+    widths = _widths(named)
     out = []
     for (parts, leaf), spec in zip(named, user):
         path = "/".join(parts)
@@ -253,7 +323,8 @@ def autotp_leaves(params, autotp_size: int, param_specs=None, *, vocab_parallel:
         if given is not None:
             out.append(TPLeaf(path, tuple(leaf.shape), "user", None, f"the user's annotation {given}"))
         else:
-            out.append(_decide(path, parts, leaf, autotp_size, out_first, vocab_parallel))
+            out.append(_decide(path, parts, leaf, autotp_size, out_first, vocab_parallel,
+                               widths.get("/".join(parts[:-2]))))
     return out
 
 
@@ -297,10 +368,32 @@ def check_cpu_precision(mesh: Mesh, config, axis: str = MODEL) -> None:
         f"({'bf16/fp16' if axis == MODEL else 'bf16'} disabled), or set XLA_FLAGS=--xla_disable_hlo_passes={_CPU_PASS} before jax is imported")
 
 
+def warn_whole(leaves, autotp_size: int) -> None:
+    """One :class:`AutoTPCoverageWarning` naming every weight (2-D and up) AutoTP leaves whole on
+    ``"model"``, with the reason; nothing when it leaves none. 1-D leaves (norm scales, biases of
+    row-parallel layers) are meant to stay whole and are not listed."""
+    whole = [lay for lay in leaves if lay.rule == "replicated" and len(lay.shape) >= 2]
+    if not whole:
+        return
+    split = sum(lay.rule in ("column", "row", "vocab", "user") for lay in leaves)
+    listed = "; ".join(f"{lay.path} {lay.shape}: {lay.why}" for lay in whole)
+    warnings.warn(
+        f"AutoTP (autotp_size={autotp_size}) splits {split} leaves over {MODEL!r} and leaves {len(whole)} "
+        f"weight{'s' if len(whole) != 1 else ''} whole on it (every device of a tensor-parallel group stores "
+        f"and computes them in full): "
+        f"{listed}. Where that matters, annotate them (param_specs=, or nnx.with_partitioning / "
+        f"nn.with_partitioning read by zj.nnx_params / zj.linen_params with rules=), or set "
+        f"vocab_parallel_lm_head for the embedding and head; zj.autotp_describe(params, {autotp_size}) lists "
+        f"every leaf", AutoTPCoverageWarning, stacklevel=4)
+
+
 def plan_specs(params, mesh: Mesh, config, param_specs=None) -> Any:
     """What :meth:`zerojax._plan.ZeroPlan.create` plans with under ``config.autotp_size`` > 1:
-    the mesh checked, and the AutoTP specs with the user's annotations kept."""
+    the mesh checked, and the AutoTP specs with the user's annotations kept; the weights it leaves
+    whole are named in an :class:`AutoTPCoverageWarning`."""
     check_autotp_mesh(mesh, config.autotp_size, config.data_axis)
     check_cpu_precision(mesh, config)
+    warn_whole(autotp_leaves(params, config.autotp_size, param_specs, vocab_parallel=config.autotp_vocab_parallel,
+                             data_axis=config.data_axis), config.autotp_size)
     return autotp_specs(params, config.autotp_size, param_specs, vocab_parallel=config.autotp_vocab_parallel,
                         data_axis=config.data_axis)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
-    "AutotuneError", "BatchError", "CheckpointError", "ConfigError", "DeprecatedKeyWarning", "DistributedError",
+    "AutoTPCoverageWarning", "AutotuneError", "BatchError", "CheckpointError", "ConfigError", "DeprecatedKeyWarning", "DistributedError",
     "HostUpdateWarning",
     "IgnoredKeysWarning", "LaunchError", "LossScaleError", "NativeKernelWarning", "NonFiniteError", "NvmeError",
     "OptimizerError", "StateError", "StepOptionError", "ZeroJaxError", "ZeroJaxWarning",
@@ -96,6 +96,11 @@ class NvmeError(ZeroJaxError, OSError):
 
     def __str__(self) -> str:
         return f"NVMe offload path {self.path!r}: {self.problem}. Fix: {self.fix}"
+
+
+class AutoTPCoverageWarning(ZeroJaxWarning):
+    """AutoTP splits some weights over "model" and leaves others whole; the message lists each
+    weight it leaves whole (2-D and up) with the reason, once."""
 
 
 class IgnoredKeysWarning(ZeroJaxWarning):

@@ -22,7 +22,38 @@ from zerojax._errors import ConfigError
 
 
 
-def nnx_params(module) -> Tuple[Any, Any, Callable[[Any], Any]]:
+def _names(entry) -> tuple:
+    return () if entry is None else entry if isinstance(entry, tuple) else (entry,)
+
+
+def _apply_rules(names, rules: Optional[Sequence[Tuple[str, Any]]], path: str) -> P:
+    """The PartitionSpec of a param annotated with the model's own axis names (one entry per dim:
+    a name, a tuple of names, or None), each name mapped to a mesh axis or None through ``rules``
+    (flax's ``nn.logical_to_mesh_axes``: the first rule of a name whose mesh axis is still free;
+    ``rules=None``: the ``nn.logical_axis_rules`` context). A name no rule lists is refused with
+    a ConfigError naming the param, where ``rules`` are given."""
+    import flax.linen as nn
+
+    entries = tuple(names)
+    flat = [n for e in entries for n in _names(e)]
+    if rules is not None:
+        listed = {logical for logical, _ in rules}
+        missing = [n for n in flat if n not in listed]
+        if missing:
+            raise ConfigError(
+                f"param {path!r} is annotated {entries} and rules= maps no axis named {missing[0]!r} (rules list "
+                f"{sorted(listed)}). Fix: add ({missing[0]!r}, 'model') to rules= to split that dim over the "
+                f"tensor-parallel axis, or ({missing[0]!r}, None) to leave it to ZeRO (an 'fsdp' axis: ZeRO "
+                f"partitions over 'data' itself)")
+    mapped = iter(nn.logical_to_mesh_axes(tuple(flat), rules))
+    out = []
+    for e in entries:
+        axes = tuple(a for a in (next(mapped) for _ in _names(e)) if a is not None)
+        out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    return P(*out)
+
+
+def nnx_params(module, rules: Optional[Sequence[Tuple[str, Any]]] = None) -> Tuple[Any, Any, Callable[[Any], Any]]:
     """(params, param_specs, merge_fn) of an NNX module.
 
     ``params`` is the module's ``nnx.Param`` state (an ``nnx.State``, a pytree of arrays);
@@ -32,6 +63,11 @@ def nnx_params(module) -> Tuple[Any, Any, Callable[[Any], Any]]:
     Other state (batch statistics, RNG counters) is merged in as it was when split: it is
     not trained and stays frozen, so use modules whose non-Param state the loss does not need
     to update.
+
+    ``rules`` maps the model's own axis names onto zerojax's mesh axes, as in
+    :func:`linen_params`: a model zoo's ``('fsdp', 'tp')`` annotations train on a
+    ``("data", "model")`` mesh with ``rules=[("tp", "model"), ("fsdp", None)]`` (``None``: ZeRO
+    partitions over ``"data"`` itself). Every name the annotations use must be listed.
     """
     from flax import nnx
 
@@ -43,6 +79,10 @@ def nnx_params(module) -> Tuple[Any, Any, Callable[[Any], Any]]:
     # a tree shaped like ``params`` (Param nodes holding PartitionSpecs); logical names go through
     # the variables' sharding_rules and the nn.logical_axis_rules context, as flax resolves them
     specs = nnx.get_partition_spec(params)
+    if rules is not None:
+        specs = jax.tree_util.tree_map_with_path(
+            lambda path, spec: _apply_rules(spec, rules, jax.tree_util.keystr(path, simple=True, separator="/")),
+            specs, is_leaf=lambda x: isinstance(x, P))
 
     def merge_fn(p):
         return nnx.merge(graphdef, p, rest)
@@ -63,17 +103,17 @@ def linen_params(variables, rules: Optional[Sequence[Tuple[str, Any]]] = None) -
 
     params = variables.get("params", variables) if hasattr(variables, "get") else variables
 
-    def spec(x):
+    def spec(path, x):
         if isinstance(x, nn.LogicallyPartitioned):
             if rules is None and not nn.get_logical_axis_rules():
                 raise ConfigError(f"a param is annotated with logical axes {x.names}: pass "
                                   "zj.linen_params(variables, rules=[('logical', 'mesh axis'), ...])")
-            return nn.logical_to_mesh_axes(x.names, rules)
+            return _apply_rules(x.names, rules, jax.tree_util.keystr(path, simple=True, separator="/"))
         if isinstance(x, meta.Partitioned):
             return x.get_partition_spec()
         return P()
 
-    specs = jax.tree_util.tree_map(spec, params, is_leaf=lambda x: isinstance(x, meta.AxisMetadata))
+    specs = jax.tree_util.tree_map_with_path(spec, params, is_leaf=lambda x: isinstance(x, meta.AxisMetadata))
     return nn.unbox(params), specs
 
 

@@ -122,7 +122,12 @@ def _base_spec(leaf, user_spec, mesh: Mesh, data_axis: str, path: str) -> Tuple[
         names = tuple(n for n in names if n is not None and n != data_axis)
         for n in names:
             if n not in mesh.axis_names:
-                raise ConfigError(f"param {path!r}: annotation uses mesh axis {n!r} but the mesh has {mesh.axis_names}")
+                raise ConfigError(
+                    f"param {path!r}: annotation uses mesh axis {n!r} but the mesh has {mesh.axis_names}. Fix: map "
+                    f"the model's own axis names onto the mesh's with rules=, in zj.nnx_params(model, rules=[...]) "
+                    f"or zj.linen_params(variables, rules=[...]): ({n!r}, 'model') splits that dim over the "
+                    f"tensor-parallel axis (a 'tp' name), ({n!r}, None) leaves it to ZeRO, which partitions over "
+                    f"{data_axis!r} itself (an 'fsdp' name); or build the mesh with a {n!r} axis")
         clean.append(None if not names else names[0] if len(names) == 1 else names)
     return tuple(clean)
 
@@ -540,7 +545,9 @@ class ZeroPlan:
             if model_axes:  # what the other mesh axes hold: a split, or the whole leaf on each device
                 named = [e for e in lay.base_spec if e is not None]
                 copies = [a for a in model_axes if not (lay.params_partitioned and a in lay.extra)]
-                tp = (f"  {P(*lay.base_spec)}" if named else f"  replicated on {'/'.join(copies)}" if copies
+                dims = ", ".join(f"{'/'.join(e) if isinstance(e, tuple) else e} on dim {d}"
+                                 for d, e in enumerate(lay.base_spec) if e is not None)
+                tp = (f"  {dims}  {P(*lay.base_spec)}" if named else f"  replicated on {'/'.join(copies)}" if copies
                       else f"  split over {' x '.join((self.data_axis,) + lay.extra)}")
             group = f"  opt {lay.group}" if lay.group is not None else ""
             rows.append(f"  {lay.path:<40} {str(lay.shape):<18} {split:<16} {where}{opt}{group}{tp}")

@@ -69,6 +69,8 @@ def main(argv=None) -> None:
     p.add_argument("--stall", default=None)
     p.add_argument("--first-step-timeout", type=float, default=None)
     p.add_argument("--term-at", type=int, default=None)
+    p.add_argument("--signal", default="SIGTERM", help="the signal --term-at sends")
+    p.add_argument("--preemption-signal", default=None, help="ZeroConfig.preemption_signal")
     p.add_argument("--term-during-save", type=int, default=None)
     p.add_argument("--step-seconds", type=float, default=0.0, help="host work after each step (a data loader)")
     p.add_argument("--out", default=None)
@@ -79,7 +81,8 @@ def main(argv=None) -> None:
     zj.distributed.initialize()
     rank = jax.process_index()
     mesh = zj.make_mesh()
-    cfg = zj.ZeroConfig(stage=args.stage, step_timeout=args.step_timeout, first_step_timeout=args.first_step_timeout)
+    cfg = zj.ZeroConfig(stage=args.stage, step_timeout=args.step_timeout, first_step_timeout=args.first_step_timeout,
+                        preemption_signal=args.preemption_signal)
     target = os.getppid() if "ZEROJAX_PROCESS_ID" in os.environ else os.getpid()  # the launcher, or this process
     state = zj.shard_train_state(init, optax.adamw(1e-2), mesh=mesh, config=cfg, rng=jax.random.PRNGKey(0))
     mngr = zj.CheckpointManager(args.ckpt)
@@ -102,8 +105,8 @@ def main(argv=None) -> None:
                 print(f"SIGTERM while step {n}'s save is written (in flight: {mngr.writing == n})", flush=True)
                 os.kill(target, signal.SIGTERM)
         if first_start and rank == 0 and args.term_at == n:
-            print(f"SIGTERM after step {n}", flush=True)
-            os.kill(target, signal.SIGTERM)
+            print(f"{args.signal} after step {n}", flush=True)
+            os.kill(target, getattr(signal, args.signal))
     if args.steps not in mngr.all_steps():
         mngr.save(args.steps, state)
     mngr.close()

@@ -189,6 +189,16 @@ def test_sigterm_saves_the_step_and_a_second_start_resumes_to_the_same_params(tm
     assert_equal_to(reference, out)
 
 
+def test_the_named_preemption_signal_saves_like_sigterm(tmp_path):
+    """SLURM's --signal=USR1@60: ZeroConfig.preemption_signal="SIGUSR1" makes SIGUSR1 a preemption notice."""
+    ckpt = str(tmp_path / "ckpt")
+    code, log, _ = run([sys.executable, WORKER, "--ckpt", ckpt, "--steps", str(STEPS), "--save-every", "100",
+                        "--term-at", "2", "--signal", "SIGUSR1", "--preemption-signal", "USR1"], timeout=120)
+    assert code == wd.PREEMPTED_EXIT, log
+    assert "SIGUSR1 received (preemption): saved step 3" in log, log
+    assert zj.checkpoint.intact_steps(ckpt) == [3]
+
+
 def test_sigterm_while_a_save_is_written_commits_it_and_saves_the_next(tmp_path, reference):
     ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "final.npz")
     code, log, _ = run([sys.executable, WORKER, "--ckpt", ckpt, "--steps", str(STEPS), "--save-every", "4",

@@ -107,6 +107,9 @@ def test_timeouts_come_from_the_config_deepspeed_or_hugging_face(monkeypatch):
     with pytest.raises(zj.ConfigError, match="preemption_signal"):
         zj.ZeroConfig(preemption_signal="SIGKILL")
     assert zj.ZeroConfig(preemption_signal="usr1").preemption_signal == "SIGUSR1"
+    assert wd.env_signal({"ZEROJAX_PREEMPTION_SIGNAL": "USR1"}) == "SIGUSR1"
+    with pytest.raises(zj.ConfigError, match="ZEROJAX_PREEMPTION_SIGNAL='USR3'"):
+        wd.env_signal({"ZEROJAX_PREEMPTION_SIGNAL": "USR3"})
 
 
 def test_deadline_tightens_after_measured_steps_with_a_floor():
@@ -283,3 +286,16 @@ def test_benchmark_smoke_prints_the_on_off_ratio():
     ratio = re.search(r"watchdog on / off: ([0-9.]+)x", out)
     assert ratio and float(ratio.group(1)) > 0, out
     assert re.search(r"the wrapper's own time on the caller's thread: [0-9.]+ us a step", out), out
+
+
+@pytest.mark.slow
+def test_slurm_style_usr1_reaches_every_rank_through_the_launcher(tmp_path):
+    """ZEROJAX_PREEMPTION_SIGNAL=USR1: the launcher forwards SIGUSR1, each rank hands it to JAX's
+    preemption notifier, and the ranks save one agreed step."""
+    ckpt = str(tmp_path / "ckpt")
+    code, log, _ = run(LAUNCH + [WORKER, "--ckpt", ckpt, "--steps", str(STEPS), "--save-every", "100",
+                                 "--term-at", "2", "--signal", "SIGUSR1", "--step-seconds", "0.5"],
+                       ZEROJAX_PREEMPTION_SIGNAL="USR1")
+    assert code == wd.PREEMPTED_EXIT, log
+    saved = int(re.search(r"SIGUSR1 received \(preemption\): saved step (\d+) to", log).group(1))
+    assert saved > 2 and zj.checkpoint.intact_steps(ckpt) == [saved], log

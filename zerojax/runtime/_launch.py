@@ -43,10 +43,10 @@ from collections.abc import Sequence
 from typing import IO
 
 from zerojax._compat import backends_are_initialized
-from zerojax._errors import DistributedError, LaunchError
+from zerojax._errors import ConfigError, DistributedError, LaunchError
 from zerojax.runtime._distributed import COORDINATOR, INIT_TIMEOUT, LOCAL_DEVICES, LOCAL_RANK, NUM_PROCESSES, PROCESS_ID, split_address
-from zerojax.runtime._watchdog import (PREEMPTED_EXIT, PREEMPTION_SIGNAL, STUCK_EXIT, WATCHDOG_DIR, behind,
-                                       ledger_path, read_ledger)
+from zerojax.runtime._watchdog import (PREEMPTED_EXIT, STUCK_EXIT, WATCHDOG_DIR, behind, env_signal, ledger_path,
+                                       read_ledger)
 
 LOCAL_WORLD_SIZE = "ZEROJAX_LOCAL_WORLD_SIZE"
 RESTART = "ZEROJAX_RESTART"  # 0 on the first start of the job, K on its K-th restart (--max-restarts)
@@ -329,10 +329,9 @@ def supervise(ranks: list[Rank], grace: float = 5.0, out: IO[str] | None = None,
 
 def _extra_signals() -> list:
     """The preemption signal the ranks are told of (ZEROJAX_PREEMPTION_SIGNAL), forwarded like SIGTERM."""
-    name = os.environ.get(PREEMPTION_SIGNAL, "")
-    full = name.upper() if name.upper().startswith("SIG") else "SIG" + name.upper()
-    sig = getattr(signal, full, None) if name else None
-    return [sig] if isinstance(sig, signal.Signals) and sig not in (signal.SIGINT, signal.SIGTERM) else []
+    name = env_signal()
+    sig = getattr(signal, name) if name else None
+    return [sig] if sig is not None and sig not in (signal.SIGINT, signal.SIGTERM) else []
 
 
 def _diagnose(children: list[_Child], stuck: _Child, watchdog_dir: str | None, say) -> None:
@@ -468,6 +467,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--grace {args.grace}: must be >= 0")
     if args.max_restarts < 0:
         parser.error(f"--max-restarts {args.max_restarts}: must be >= 0")
+    try:
+        env_signal()  # a misspelt ZEROJAX_PREEMPTION_SIGNAL stops the launch before any rank starts
+    except ConfigError as e:
+        print(f"zerojax launch: error: {e}", file=sys.stderr)
+        return 2
     try:
         hosts = None
         if args.hostfile:

@@ -452,6 +452,21 @@ class Watchdog:
         return self.notice is not None
 
 
+def env_signal(environ=None) -> Optional[str]:
+    """The preemption signal ZEROJAX_PREEMPTION_SIGNAL names ("USR1" or "SIGUSR1"), as "SIGUSR1"."""
+    from zerojax._errors import ConfigError
+    from zerojax.config._schema import Invalid, signal_name
+
+    value = (os.environ if environ is None else environ).get(PREEMPTION_SIGNAL, "")
+    if not value:
+        return None
+    try:
+        return signal_name(value)
+    except Invalid as e:
+        raise ConfigError(f"{PREEMPTION_SIGNAL}={value!r} in the environment: use {e}. Fix: export "
+                          f"{PREEMPTION_SIGNAL}=USR1 (or unset it)") from None
+
+
 def _handler(signum, _frame):
     dog = _WATCHDOG
     if dog is None:
@@ -573,7 +588,7 @@ class WatchedStep(StepWrapper):
         self.step = step
         self.dog = watchdog()
         self.dog.configure(timeout, first_timeout)
-        self.dog.install_signals(preemption_signal or os.environ.get(PREEMPTION_SIGNAL) or None)
+        self.dog.install_signals(preemption_signal or env_signal())
 
     def __call__(self, state, batch):
         dog = self.dog

@@ -88,14 +88,16 @@ def clip_grads(g, clip):
     return jax.tree_util.tree_map(lambda x: x / coef, g), norm
 
 
-def reference_run(params, tx, data, clip=0.0) -> Reference:
-    """Plain single-device optax in fp32: the numbers a ZeRO run must reproduce."""
+def reference_run(params, tx, data, clip=0.0, loss=None) -> Reference:
+    """Plain single-device optax in fp32: the numbers a ZeRO run must reproduce (``loss``: the
+    model's loss, default this module's)."""
     state = tx.init(params)
     losses, norms = [], []
+    value_and_grad = jax.value_and_grad(loss or loss_fn)
 
     @jax.jit
     def step(p, s, b):
-        loss, g = jax.value_and_grad(loss_fn)(p, b)
+        loss, g = value_and_grad(p, b)
         g, norm = clip_grads(g, clip)
         u, s = tx.update(g, s, p)
         return optax.apply_updates(p, u), s, loss, norm

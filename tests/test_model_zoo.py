@@ -19,6 +19,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import zerojax as zj
+from tests.helpers import reference_run
 from zerojax._autotp import autotp_leaves
 
 VOCAB, D, HEADS, HEAD_DIM, FF, LAYERS, SEQ = 32, 16, 4, 8, 32, 2, 8
@@ -125,19 +126,8 @@ def batches(n=STEPS, size=8, seed=0):
 
 def reference(loss_fn, params, data):
     """Plain optax on one device, fp32, no clipping."""
-    params = jax.device_put(params, jax.devices()[0])
     tx = optax.adamw(LR, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01)
-    opt = tx.init(params)
-
-    @jax.jit
-    def update(p, s, b):
-        g = jax.grad(loss_fn)(p, b)
-        u, s = tx.update(g, s, p)
-        return optax.apply_updates(p, u), s
-
-    for b in data:
-        params, opt = update(params, opt, b)
-    return params
+    return reference_run(jax.device_put(params, jax.devices()[0]), tx, data, loss=loss_fn).params
 
 
 def train(params, loss_fn, stage, data, param_specs=None):

@@ -14,17 +14,17 @@ def _one(pattern):
 
 
 def _temp_values(path):
-    """(name, bytes) of the values placed in the preallocated temporary buffer."""
+    """(name, bytes, offset) of the values placed in the preallocated temporary buffer."""
     out, in_temp = [], False
     for line in open(path):
         if line.startswith("allocation"):
             in_temp = "preallocated-temp" in line
             continue
         if in_temp:
-            m = re.match(r"\s*value: <\d+ (\S+) @\S+> \(size=(\d+),offset=\d+\)", line)
+            m = re.match(r"\s*value: <\d+ (\S+)(?: \(phi\))? @\S+> \(size=(\d+),offset=(\d+)\)", line)
             if m:
                 name = m.group(1)
-                out.append((name if "{" in name else name + "{}", int(m.group(2))))
+                out.append((name if "{" in name else name + "{}", int(m.group(2)), int(m.group(3))))
     return out
 
 
@@ -51,7 +51,7 @@ def _live_ranges(path):
 def _instructions(path):
     out = {}
     for line in open(path):
-        m = re.match(r"\s*(?:ROOT )?%(\S+) = (\S+) ([\w\-]+)\((.*)", line)
+        m = re.match(r"\s*(?:ROOT )?%(\S+) = (.+?) ([\w\-]+)\((.*)", line)
         if m:
             meta = re.search(r'op_name="([^"]*)"', line)
             args = re.findall(r"%([\w.\-]+)", m.group(4).split("), ")[0])
@@ -66,8 +66,14 @@ def kind_of(name, instrs):
     backward = "transpose(" in meta
     if op == "all-gather":
         return "gathered params, backward (all-gather)" if backward else "gathered params, forward (all-gather)"
-    if op == "fusion" and "dynamic_slice" in meta and any(instrs.get(a, ("",))[0] == "all-gather" for a in args):
-        return "pieces cut from gathered buckets"
+    # an operand that is an all-gather, or a tuple or bitcast of one (a conditional's operands)
+    inputs = list(args)
+    for a in args:
+        if instrs.get(a, ("",))[0] in ("tuple", "bitcast"):
+            inputs += instrs[a][2]
+    from_gather = any(instrs.get(a, ("",))[0] == "all-gather" for a in inputs)
+    if (op == "fusion" and "dynamic_slice" in meta or op == "conditional") and from_gather:
+        return "params cut from gathered buckets"
     if op in ("reduce-scatter",):
         return "reduce-scatter outputs"
     if backward and ("concatenate" in meta or "pad" in meta):
@@ -86,12 +92,29 @@ def breakdown(dump_dir, module_re="jit_train_step"):
     values = _temp_values(base + "-buffer-assignment.txt")
     seq, ranges = _live_ranges(base + "-live-range.txt")
     instrs = _instructions(prefix)
-    events = collections.Counter()
-    for name, size in values:
+    # values that share a buffer while both are live (a conditional's outputs and its branch's
+    # results, a tuple's elements) are one buffer: merged, named by the value of the widest range
+    spans = collections.defaultdict(list)
+    for name, size, offset in values:
         if name in ranges:
-            s, e = ranges[name]
-            events[s] += size
-            events[e + 1] -= size
+            spans[offset, size].append((*ranges[name], name))
+    buffers = []
+    for (_, size), items in spans.items():
+        items.sort()
+        s, e, name = items[0]
+        for s2, e2, name2 in items[1:]:
+            if s2 <= e:
+                if e2 - s2 > e - s:
+                    name = name2
+                e = max(e, e2)
+            else:
+                buffers.append((name, size, s, e))
+                s, e, name = s2, e2, name2
+        buffers.append((name, size, s, e))
+    events = collections.Counter()
+    for _, size, s, e in buffers:
+        events[s] += size
+        events[e + 1] -= size
     cur, best, t_best = 0, -1, 0
     for t in range(max(seq) + 2):
         cur += events.get(t, 0)
@@ -99,8 +122,7 @@ def breakdown(dump_dir, module_re="jit_train_step"):
             best, t_best = cur, t
     kinds = collections.defaultdict(lambda: [0, 0])
     fwd = []
-    for name, size in values:
-        s, e = ranges.get(name, (1, 0))
+    for name, size, s, e in buffers:
         if s <= t_best <= e:
             k = kind_of(name, instrs)
             kinds[k][0] += 1
@@ -116,7 +138,8 @@ def breakdown(dump_dir, module_re="jit_train_step"):
             score += 1 if "transpose(" in meta else -1
             if score > top:
                 top, back = score, t
-    return {"peak": best, "backward_from": back, "kinds": dict(kinds), "at": seq.get(t_best, "?"), "step": t_best, "steps": max(seq) + 1,
+    return {"peak": best, "backward_from": back, "kinds": dict(kinds), "at": seq.get(t_best, "?"), "step": t_best,
+            "steps": max(seq) + 1,
             "forward_gathers": sorted(fwd)}
 
 
@@ -125,7 +148,7 @@ def report(b, mib=2**20):
         return "  (no dump found)"
     lines = [f"  temporaries live together at step {b['step']} of {b['steps']} ({b['at']}): {b['peak'] / mib:.1f} MiB"]
     for k, (count, size) in sorted(b["kinds"].items(), key=lambda kv: -kv[1][1]):
-        lines.append(f"    {k:45s} {count:5d} values {size / mib:7.1f} MiB")
+        lines.append(f"    {k:45s} {count:5d} buffers {size / mib:7.1f} MiB")
     fwd = b["forward_gathers"]
     if fwd:
         lines.append(f"    forward gathers live: {len(fwd)} buckets, {sum(x for *_, x in fwd) / mib:.1f} MiB; "
@@ -133,6 +156,7 @@ def report(b, mib=2**20):
                      f"{min(e for _, e, _ in fwd)}-{max(e for _, e, _ in fwd)}")
         if b["backward_from"] is not None:
             held = [x for _, e, x in fwd if e >= b["backward_from"]]
-            lines.append(f"    of them read in the backward pass (from step {b['backward_from']}): {len(held)} buckets, "
+            lines.append(f"    of them read in the backward pass (from step {b['backward_from']}): "
+                         f"{len(held)} buckets, "
                          f"{sum(held) / mib:.1f} MiB")
     return "\n".join(lines)

@@ -30,8 +30,10 @@ used (tied embeddings included).
 Gathers are tied to the activation of the moment (``shard + 0 * a``; the compiler may not drop
 it), so they are neither hoisted out of the micro-batch loop nor merged with the backward
 gathers. When a param is first needed, the gathers of the params used next (up to
-``prefetch_bucket_size`` elements) are issued at the same point, ahead of the compute, as one
-all-gather of their shards laid end to end (their gradients then leave in one reduce-scatter).
+``prefetch_bucket_size`` elements, counting those gathered already and not used yet) are issued
+at the same point, ahead of the compute, as one all-gather of their shards laid end to end
+(their gradients then leave in one reduce-scatter); each param leaves the bucket as a buffer of
+its own (:func:`zerojax.stages._collectives.own_buffers`).
 A param that may be read in part (rows of a lookup, one layer in a loop, slices of a large
 matmul) is gathered on its own, so the compiler drops that gather when nothing reads it whole.
 

@@ -17,11 +17,27 @@ matrices too) is gathered slice by slice: whole against sliced gathers, side by 
 
     python benchmarks/peak_memory.py [--layers 12] [--seq 128] [--optimizer sgd]
     python benchmarks/peak_memory.py --layers 2 --d 96 --vocab 1000 --seq 16 --no-scan   # tiny
+    python benchmarks/peak_memory.py --shape findings [--breakdown]
+
+``--shape findings``: 12 layers, d 256, 4 heads, vocab 8192, context 64, 32 tokens a device (batch
+8 x 33), every param partitioned (``param_persistence_threshold=0``), the auto bucket; stage 0,
+stage 3 at the default distance and at ``max_reuse_distance=0``, Python loop and ``lax.scan``.
+``--breakdown`` dumps each stage-3 step's optimized HLO (``--xla_dump_to``) and prints what is
+alive at its peak: gathered param buckets (forward or backward), pieces cut from them, gradients
+on their way to a reduce-scatter, the rest (``_live.py``).
 """
 import argparse
+import os
+import sys
+import tempfile
 
 from _common import simulate_devices
 
+DUMP = None
+if "--breakdown" in sys.argv:
+    DUMP = tempfile.mkdtemp(prefix="peak_memory_hlo_")
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={DUMP} --xla_dump_hlo_as_text"
+                               " --xla_dump_hlo_module_re=jit_train_step").strip()
 simulate_devices(8)
 
 import jax  # noqa: E402
@@ -42,7 +58,11 @@ def main():
     ap.add_argument("--precision", default="fp32")
     ap.add_argument("--no-scan", action="store_true", help="only the Python-loop model")
     ap.add_argument("--optimizer", default="adamw", choices=("adamw", "sgd"))
+    ap.add_argument("--shape", choices=("findings",), help="a named shape (see above)")
+    ap.add_argument("--breakdown", action="store_true", help="what is alive at each stage-3 peak")
     args = ap.parse_args()
+    if args.shape == "findings":
+        return findings(args.breakdown)
     mesh = zj.make_mesh()
     n = mesh.shape["data"]
     mib = 2**20
@@ -87,6 +107,36 @@ def main():
         print(f"goal: stage 3 lean <= 0.20x stage 0 -> {lean.peak / peaks[0].peak:.3f}x; at the default "
               f"distance {peaks[3].peak / peaks[0].peak:.3f}x; block matrices sliced too (max_live_parameters "
               f"{bucket:,}) {peaks['3 sliced'].peak / peaks[0].peak:.3f}x\n")
+
+
+def findings(show_breakdown: bool):
+    """Stage 0 against stage 3 (default distance, distance 0) on FINDINGS' 12-layer d 256 GPT."""
+    import _live
+
+    mesh = zj.make_mesh()
+    n = mesh.shape["data"]
+    mb, d = 1e6, 256
+    tx = optax.adamw(1e-4)
+    bucket = int(0.9 * d**2)
+    for scan in (False, True):
+        cfg = GPTConfig(vocab=8192, n_layer=12, d_model=d, n_head=4, seq_len=64, scan=scan)
+        batch = {"tokens": jax.ShapeDtypeStruct((n, 33), np.int32)}
+        print(f"GPT {cfg.n_params / 1e6:.1f}M params, {'lax.scan' if scan else 'Python loop'}, adamw fp32, "
+              f"param_persistence_threshold 0, bucket {bucket:,}, {n} devices, 32 tokens per device")
+        print(f"{'stage':>8} {'peak MB':>8} {'vs stage 0':>10} {'arguments MB':>13} {'temporaries MB':>15}")
+        peaks = {}
+        for stage in (0, 3, "3 lean"):
+            extra = {"max_reuse_distance": 0} if stage == "3 lean" else {}
+            config = zj.ZeroConfig(stage=3 if extra else stage, prefetch_bucket_size=bucket,
+                                   param_persistence_threshold=0, **extra)
+            state = zj.abstract_train_state(lambda k: init_params(cfg, k), tx, mesh=mesh, config=config)
+            step = zj.make_train_step(loss_fn(cfg), state)
+            peak = peaks[stage] = zj.peak_memory(step, state, batch)
+            print(f"{str(stage):>8} {peak.peak / mb:>8.1f} {peak.peak / peaks[0].peak:>9.3f}x "
+                  f"{peak.argument / mb:>13.1f} {peak.temp / mb:>15.1f}", flush=True)
+            if show_breakdown and stage != 0:
+                print(_live.report(_live.breakdown(DUMP)), flush=True)
+        print(f"goal: stage 3 at distance 0 <= 0.20x stage 0 -> {peaks['3 lean'].peak / peaks[0].peak:.3f}x\n")
 
 
 if __name__ == "__main__":

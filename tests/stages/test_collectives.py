@@ -347,12 +347,36 @@ def test_prefetch_adds_params_while_fewer_than_the_bucket_are_on_the_way(bucket,
 
     class Param:  # what the prefetch walk reads of a stage-3 param
         def __init__(self, name, size):
-            self.name, self.lay, self.full = name, types.SimpleNamespace(size=size), None
+            self.name, self.lay, self.full, self.last_use = name, types.SimpleNamespace(size=size), None, None
 
     together = []
     monkeypatch.setattr(stage3, "_gather_together", lambda bases, anchor: together.extend(b.name for b in bases))
     bases = [Param(n, size) for n, size in [("a", 100), ("b", 500), ("c", 500), ("d", 100), ("e", 100)]]
-    bases[3].full = "already gathered"  # counts nothing, as in DeepSpeed
+    bases[3].full, bases[3].last_use = "gathered and used already", 7  # counts nothing, as in DeepSpeed
+    interp = stage3._Interpreter(wire=None, prefetch=bucket, slicing=Slicing(bucket=10**9, live=10**9))
+    interp._prefetch([stage3_values.Lazy((bases[0],), stage3_values._identity)], bases, anchor=None)
+    assert together == ahead
+
+
+@pytest.mark.parametrize("bucket,ahead", [(300, []), (500, []), (600, ["c"]), (1200, ["c", "e"])])
+def test_prefetch_counts_the_params_already_on_the_way(bucket, ahead, monkeypatch):
+    # a param gathered by an earlier use site and not used since is on the way: it counts against
+    # the bucket, so the use sites of one layer (a matmul, its bias add, a norm's scale and bias)
+    # do not each add a bucket and gather layers ahead of the compute
+    import types
+
+    from zerojax.stages import _stage3 as stage3, _stage3_values as stage3_values
+    from zerojax.stages._reuse import Slicing
+
+    class Param:
+        def __init__(self, name, size):
+            self.name, self.lay, self.full, self.last_use = name, types.SimpleNamespace(size=size), None, None
+
+    together = []
+    monkeypatch.setattr(stage3, "_gather_together", lambda bases, anchor: together.extend(b.name for b in bases))
+    bases = [Param(n, size) for n, size in [("a", 100), ("b", 500), ("c", 500), ("d", 100), ("e", 100)]]
+    bases[1].full = "gathered, not used yet"
+    bases[3].full, bases[3].last_use = "gathered and used already", 7
     interp = stage3._Interpreter(wire=None, prefetch=bucket, slicing=Slicing(bucket=10**9, live=10**9))
     interp._prefetch([stage3_values.Lazy((bases[0],), stage3_values._identity)], bases, anchor=None)
     assert together == ahead

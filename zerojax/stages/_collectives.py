@@ -275,15 +275,37 @@ def bucketed_all_reduce_slice(grads, lays, axis_name: str, n: int, bucket_size: 
     return local_slices(summed, lays, axis_name, n)
 
 
-def bucketed_gather(shards, lays, axis_name: str, n: int, bucket_size: int):
-    """This device's shards -> whole (unpadded) leaves, one all-gather per bucket."""
+def bucketed_gather(shards, lays, axis_name: str, n: int, bucket_size: int, apart: bool = False):
+    """This device's shards -> whole (unpadded) leaves, one all-gather per bucket. ``apart``: each
+    leaf cut from its bucket into a buffer of its own (:func:`own_buffers`), so that nothing that
+    reads a leaf later keeps the whole bucket alive."""
     out = [None] * len(shards)
     for members in bucket_members(shards, lays, bucket_size):
         if len(members) == 1:
             out[members[0]] = gather(shards[members[0]], lays[members[0]], axis_name)
             continue
         flats = [shard_row(shards[i], lays[i]) for i in members]
+        sizes = [f.size for f in flats]
         gathered = jax.lax.all_gather(jnp.concatenate(flats), axis_name, axis=0, tiled=False)  # (n, total)
-        for i, piece in zip(members, pieces(gathered, [f.size for f in flats], axis=1)):
-            out[i] = unrows(piece, lays[i])
+
+        def cut(g, members=members, sizes=sizes):
+            return [unrows(piece, lays[i]) for i, piece in zip(members, pieces(g, sizes, axis=1))]
+
+        for i, x in zip(members, own_buffers(cut, gathered) if apart else cut(gathered)):
+            out[i] = x
     return out
+
+
+def own_buffers(fn, x):
+    """``fn(x)`` (a list of arrays), each a buffer of its own that later readers cannot fuse back
+    into a read of ``x``.
+
+    A slice fused into its consumer reads the buffer it was cut from; when XLA recomputes that
+    consumer later (the stage-3 backward pass recomputes GELU's input ``x @ w + b``, the bias a
+    slice of a gathered bucket) the whole bucket stays alive until then. An optimization barrier
+    separates them on most backends; the CPU backend expands barriers before fusing, and there
+    the values are the outputs of a conditional whose predicate a barrier hides (as
+    :func:`_offsets`)."""
+    if jax.default_backend() != "cpu":
+        return list(jax.lax.optimization_barrier(fn(x)))
+    return list(jax.lax.cond(jax.lax.optimization_barrier(jnp.asarray(True)), fn, fn, x))

@@ -30,8 +30,10 @@ used (tied embeddings included).
 Gathers are tied to the activation of the moment (``shard + 0 * a``; the compiler may not drop
 it), so they are neither hoisted out of the micro-batch loop nor merged with the backward
 gathers. When a param is first needed, the gathers of the params used next (up to
-``prefetch_bucket_size`` elements) are issued at the same point, ahead of the compute, as one
-all-gather of their shards laid end to end (their gradients then leave in one reduce-scatter).
+``prefetch_bucket_size`` elements, counting those gathered already and not used yet) are issued
+at the same point, ahead of the compute, as one all-gather of their shards laid end to end
+(their gradients then leave in one reduce-scatter); each param leaves the bucket as a buffer of
+its own (:func:`zerojax.stages._collectives.own_buffers`).
 A param that may be read in part (rows of a lookup, one layer in a loop, slices of a large
 matmul) is gathered on its own, so the compiler drops that gather when nothing reads it whole.
 
@@ -58,6 +60,7 @@ import math
 from typing import Callable, List, Optional, Sequence
 
 import jax
+import jax.numpy as jnp
 from jax.extend.core import Literal, jaxpr_as_fun
 
 from zerojax._compat import Tracer, inlined_call, make_jaxpr_keeping_calls, primitives
@@ -86,8 +89,8 @@ class _Interpreter:
         # the use sites' backward derivatives, one jitted function per structure of site
         self.programs = {}
 
-    def base(self, shard, lay: LeafLayout) -> Lazy:
-        return _param(Base(shard, lay, self.wire, self.fetches))
+    def base(self, shard, lay: LeafLayout, stacked=None) -> Lazy:
+        return _param(Base(shard, lay, self.wire, self.fetches, stacked))
 
     def _loop_body(self, body: Callable, times: int) -> Callable:
         """``body`` counting the params it uses ``times`` over (once per iteration), however
@@ -178,12 +181,17 @@ class _Interpreter:
         last = max((order.index(b) for b in bases if b in order), default=-1)
         # DeepSpeed's rule: params not yet gathered are added while fewer than the bucket's
         # elements are on the way, so the last one may overshoot it (a param larger than the
-        # bucket is still fetched one ahead)
+        # bucket is still fetched one ahead). On the way: gathered and not used since, whichever
+        # use site issued them; counting only the ones issued here let every use site add a
+        # bucket, and a layer with more use sites than buckets of params (biases and norms
+        # partitioned) gathered several layers ahead of its compute
         budget, together = self.prefetch, []
         for nxt in order[last + 1:]:
             if budget <= 0:
                 break
             if nxt.full is not None:
+                if nxt.last_use is None:
+                    budget -= nxt.lay.size
                 continue
             budget -= nxt.lay.size
             if not self.slicing.sliced(nxt.lay.size) and nxt not in self.partly_read:
@@ -266,14 +274,20 @@ class _Interpreter:
                    if isinstance(x, Lazy) and x.is_param and x.sources[0].lay.axis != 0}
         xs = [x.sources[0].shard if i in layouts else self._plain(x, anchor) for i, x in enumerate(xs_in)]
         body = p["jaxpr"]
+        # each layer's backward pass gathers its param again from the stacked shards (a constant
+        # of the loop, which the loop's backward reads in place) at the iteration's index: saved
+        # for the backward pass, a layer's shard would be stacked again, a copy of them all
+        index = jnp.arange(p["length"], dtype=jnp.int32)
 
         def step(c, x):
-            x = [self.base(v, layouts[i]) if i in layouts else v for i, v in enumerate(x)]
+            x, i = x[:-1], x[-1]
+            x = [self.base(v, layouts[k], (xs[k], i)) if k in layouts else v for k, v in enumerate(x)]
             out = self.run(body.jaxpr, body.consts, consts + list(c) + x)
             return out[:ncarry], out[ncarry:]
 
         step = self._loop_body(step, p["length"])
-        carry, ys = jax.lax.scan(step, carry, xs, length=p["length"], reverse=p["reverse"], unroll=p["unroll"])
+        carry, ys = jax.lax.scan(step, carry, xs + [index], length=p["length"], reverse=p["reverse"],
+                                 unroll=p["unroll"])
         return list(carry) + list(ys)
 
     def _while(self, eqn, invals, anchor):

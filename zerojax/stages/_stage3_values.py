@@ -59,10 +59,13 @@ def _gather_again(full, shard, anchor, lay: LeafLayout, wire: Wire):
 class Base:
     """A partitioned param not gathered yet: its local shard, layout and forward gather."""
 
-    __slots__ = ("shard", "lay", "full", "secondary", "wire", "fetches", "last_use", "kept")
+    __slots__ = ("shard", "lay", "full", "secondary", "wire", "fetches", "last_use", "kept", "stacked")
 
-    def __init__(self, shard, lay: LeafLayout, wire: Wire, fetches: Optional[Fetches] = None):
+    def __init__(self, shard, lay: LeafLayout, wire: Wire, fetches: Optional[Fetches] = None, stacked=None):
         self.shard, self.lay, self.full, self.secondary, self.wire = shard, lay, None, None, wire
+        # one layer of a loop: (the loop's stacked shards, this iteration's index), ``shard`` being
+        # that slice of them
+        self.stacked = stacked
         self.fetches = Fetches(math.inf) if fetches is None else fetches
         self.last_use = None  # Fetches.count after the last use of ``full``; None: not used yet
         self.kept = None  # the gathered copy held for the backward pass, once one use keeps it
@@ -74,8 +77,19 @@ class Base:
     @property
     def residual(self):
         """What the backward pass gathers the param from: the hpZ secondary partition (kept
-        from the forward gather), else the shard itself."""
-        return self.shard if self.secondary is None else self.secondary
+        from the forward gather), else the shard itself; in a loop over stacked layers, the
+        stacked shards and the iteration's index, so that the loop saves an index per iteration
+        for its backward pass, not a copy of every layer's shard (:meth:`shard_of`)."""
+        if self.secondary is not None:
+            return self.secondary
+        return self.shard if self.stacked is None else self.stacked
+
+    def shard_of(self, residual):
+        """The shard (or secondary partition) :attr:`residual` holds."""
+        if self.secondary is None and self.stacked is not None:
+            stacked, index = residual
+            return jax.lax.dynamic_index_in_dim(stacked, index, 0, keepdims=False)
+        return residual
 
     def gather_forward(self, anchor):
         if self.full is None:
@@ -140,9 +154,11 @@ def _bucket_gather(wire: Wire, *lays: LeafLayout) -> Callable:
 
     # the reduce-scatter written out: as the transpose of the slices of one gathered buffer,
     # each param's cotangent would be padded to the whole buffer and summed
+    # each param in a buffer of its own: a later read of one param (XLA recomputes GELU's input
+    # ``x @ w + b`` in the backward pass) would otherwise hold the whole bucket until then
     @jax.custom_vjp
     def gathered(shards):
-        return C.bucketed_gather(shards, lays, wire.axis_name, wire.n, math.inf)
+        return C.bucketed_gather(shards, lays, wire.axis_name, wire.n, math.inf, apart=True)
 
     scatter = _shared(_bucket_reduce, wire, *lays)  # run again at every layer's backward pass
 
@@ -302,7 +318,7 @@ def _use_site(op: Callable[[list], list], invals: list, anchor, op_key: Optional
     def bwd(res, ct):
         held, shards, diffs, consts = res
         ct_anchor = next((c for c in ct if hasattr(c, "dtype") and _is_float(c)), None)
-        wholes = [h if k else b.wire.regather(_tie(to_device_memory(s), ct_anchor), b.lay, b.shard.dtype)
+        wholes = [h if k else b.wire.regather(_tie(to_device_memory(b.shard_of(s)), ct_anchor), b.lay, b.shard.dtype)
                   for h, s, b, k in zip(held, shards, bases, kept())]
         if program is not None and all(_is_float(c) for c in ct):
             d_fulls, d_diffs = program(wholes, diffs, consts, list(ct))

@@ -2,6 +2,8 @@
 equal to one-device optax at stages 1–3 with gradient accumulation, its step holds a fixed
 number of collectives (all-to-alls per matrix shape, none per Newton–Schulz matmul), and a
 Muon-like transformation it does not recognise keeps running through optax."""
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,6 +12,7 @@ import optax.contrib
 import pytest
 
 import zerojax as zj
+from zerojax._plan import path_str
 from zerojax._state import unshard_params
 from zerojax.config._optimizers import muon_dimension_numbers, optimizer_from_config
 from zerojax.stages._muon import muon_recipe
@@ -151,3 +154,65 @@ def test_collectives_do_not_follow_the_iterations_and_bytes_stay_within_adamws_p
     assert count(muon) - muon.count("all-to-all") <= count(adamw)
     muon_bytes = 4 * sum(x.size for x in jax.tree_util.tree_leaves(params) if x.ndim == 2)
     assert muon.total_bytes <= adamw.total_bytes + 1.0 * muon_bytes
+
+
+# ------------------------------------------------------------------ offload_optimizer="cpu"
+
+
+def _offloaded(ds, **offload):
+    ds = {**ds, "zero_optimization": {**ds["zero_optimization"], "offload_optimizer": {"device": "cpu", **offload}}}
+    return ds
+
+
+def _moment_kinds(opt_state):
+    """The memory kinds of the Muon momentum and the AdamW group's moments, by group."""
+    parts = opt_state.inner_state.inner_states
+    muon, adam = parts["muon"].inner_state[0], parts["adam"].inner_state[0]
+    kinds = lambda tree: {x.sharding.memory_kind for x in jax.tree_util.tree_leaves(tree)}  # noqa: E731
+    return {"muon": kinds(muon.mu), "adam": kinds((adam.mu, adam.nu))}
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_offloaded_muon_keeps_its_state_on_the_host_and_orthogonalises_on_owners(stage):
+    """Muon with offload_optimizer cpu: the momentum and the AdamW moments live in pinned host
+    memory between steps, the update runs on the device (Newton–Schulz on owners: all-to-alls,
+    no host computation) and the params equal one-device optax's."""
+    params, data = init_params(jax.random.PRNGKey(0)), batches(10)
+    state, step = zj.initialize(params, loss_fn, _offloaded(_ds(stage, 2)))
+    assert state.plan.host_update and muon_recipe(state.plan, state.tx) is not None
+    text = step.lower(state, data[0]).compile().as_text()
+    assert collectives(text).count("all-to-all") > 0 and "_xla_compute_type" not in text
+    for b in data:
+        state, _ = step(state, b)
+    assert _moment_kinds(state.opt_state) == {"muon": {"pinned_host"}, "adam": {"pinned_host"}}
+    ref = reference_run(params, _reference_tx(), data)
+    assert max_rel_err(unshard_params(state), ref.params) < 1e-5
+
+
+@pytest.mark.slow
+def test_partially_offloaded_muon_keeps_each_side_and_equals_optax():
+    """offload_ratio 0.5 at stage 3: each leaf's state stays on its side (no HostUpdateWarning),
+    the update runs on owners and equals optax."""
+    params, data = init_params(jax.random.PRNGKey(0)), batches(6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        state, step = zj.initialize(params, loss_fn, _offloaded(_ds(3, 1), ratio=0.5))
+        assert state.plan.partial_offload and muon_recipe(state.plan, state.tx) is not None
+        for b in data:
+            state, _ = step(state, b)
+    on_host = {lay.path for lay in state.plan.leaves if state.plan.opt_on_host(lay)}
+    assert on_host and len(on_host) < len(state.plan.leaves)
+    parts = state.opt_state.inner_state.inner_states
+    for name, group in (("muon", parts["muon"].inner_state[0].mu), ("adam", parts["adam"].inner_state[0].mu)):
+        for path, x in jax.tree_util.tree_flatten_with_path(group)[0]:
+            want = "pinned_host" if path_str(path) in on_host else "device"
+            assert x.sharding.memory_kind == want, (name, path_str(path))
+    ref = reference_run(params, _reference_tx(), data)
+    assert max_rel_err(unshard_params(state), ref.params) < 1e-5
+
+
+def test_muon_with_nvme_offload_is_refused_by_name():
+    ds = _offloaded(_ds(2, 1))
+    ds["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": "/tmp"}
+    with pytest.raises(zj.ConfigError, match="nvme"):
+        zj.initialize(init_params(jax.random.PRNGKey(0)), loss_fn, ds)

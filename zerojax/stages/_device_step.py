@@ -7,7 +7,8 @@ gradients, so each device updates only its 1/N of the optimizer state. With
 (:mod:`zerojax.offload._host_update`); with ``offload_ratio`` < 1 (stage 3) only for the params
 whose optimizer state the plan keeps in host memory, while the others are updated on the
 device in the same step (:mod:`zerojax.offload._partial`); with ``fused_adam`` through the
-Pallas kernel.
+Pallas kernel. A recognised ``optax.contrib.muon`` is updated on the device whatever the
+state's home (:mod:`zerojax.stages._muon`): offloaded state is fetched and written back.
 """
 from __future__ import annotations
 
@@ -50,8 +51,12 @@ def _update_fn(loss_fn: Callable, plan: ZeroPlan, tx, has_aux: bool, fused_adam:
     check_split(plan, tx)
     split = plan.partial_offload  # offload_ratio < 1: some params' state on the host, the rest here
 
+    # optax.contrib.muon recognised: Newton–Schulz on whole matrices, one owner each (stages/_muon.py);
+    # with offload_optimizer="cpu" its state stays in host memory and is fetched for the update
+    muon = None if fused_adam else muon_recipe(plan, tx)
     host_apply = None
-    if plan.host_update:  # the native host kernel on CPU meshes, else the update under compute_on
+    # the native host kernel on CPU meshes, else the update under compute_on
+    if plan.host_update and muon is None:
         host_apply = compute_on_host(host_apply_fn(plan, tx))
         native = native_host_apply_fn(plan, tx)
         if native is not None:  # a CPU-only custom call: the program lowered for a GPU keeps compute_on
@@ -59,8 +64,6 @@ def _update_fn(loss_fn: Callable, plan: ZeroPlan, tx, has_aux: bool, fused_adam:
     # Adam/AdamW, SGD momentum on fp32 states: one gated pass, no select over the state (stages/gated.py)
     recipe = adam_recipe(tx) if fused_adam else None
     gated = None if fused_adam else plan_recipe(plan, tx)
-    # optax.contrib.muon recognised: Newton–Schulz on whole matrices, one owner each (stages/_muon.py)
-    muon = None if fused_adam or gated is not None or plan.host_update else muon_recipe(plan, tx)
 
     def on_host(state, scaled, grads, scale, coef, skip, key, value):
         # ZeRO-Offload: the (still loss-scaled) gradients travel to the host in the compute

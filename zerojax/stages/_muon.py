@@ -15,6 +15,10 @@ collectives moving 8.9x the params' bytes, against AdamW's 3 and 2.0x). Here:
 * the width scaling, weight decay and learning rate, and the whole AdamW group, run element-wise
   on the partitions; the updated params are gathered as for any optimizer (stages 1–2).
 
+With ``offload_optimizer="cpu"`` the state's home is host memory: the step brings each
+partition to the device for this update and writes it back (``placement.fetch`` /
+``put_back``), so the Newton–Schulz iterations never run inside a host computation.
+
 The collectives do not grow with the iterations, and the all-to-alls move about 2Ψ_muon/N per
 device. The optimizer is recognised from its state (``optax.contrib.muon`` under
 ``optax.inject_hyperparams``: the settings are read from the state each step; DeepSpeed's
@@ -336,12 +340,14 @@ def _cached(tx, key):
 def muon_recipe(plan, tx) -> Optional[MuonRecipe]:
     """The owner-computed Muon update for ``tx`` on ``plan``, or None (optax's own update runs):
     ``tx`` must be a recognised ``optax.contrib.muon``, the optimizer state partitioned (stages
-    1–3) on the device in fp32, and every leaf on the data axis only (no tensor or sequence
-    parallel split)."""
+    1–3) in fp32, on the device or in host memory (``offload_optimizer="cpu"``, any
+    ``offload_ratio``: the step fetches it for the update), and every leaf on the data axis only
+    (no tensor or sequence parallel split)."""
     cfg = plan.config
-    if plan.stage < 1 or plan.n < 2 or cfg.offload_optimizer is not None or cfg.master_weights_dtype \
-            or cfg.optimizer_state_dtype:
+    if plan.stage < 1 or plan.n < 2 or cfg.master_weights_dtype or cfg.optimizer_state_dtype:
         return None
+    if cfg.offload_optimizer is not None and (cfg.offload_optimizer != "cpu" or plan.optimizer_state_outside):
+        return None  # NVMe and ZenFlow keep the state themselves (their steps refuse Muon by name)
     if any(lay.extra or any(e is not None for e in lay.base_spec) for lay in plan.leaves):
         return None
     shapes = [(lay.shape, np.dtype(lay.dtype)) for lay in plan.leaves]

@@ -175,13 +175,19 @@ def _moment_kinds(opt_state):
 @pytest.mark.parametrize("stage", [1, 3])
 def test_offloaded_muon_keeps_its_state_on_the_host_and_orthogonalises_on_owners(stage):
     """Muon with offload_optimizer cpu: the momentum and the AdamW moments live in pinned host
-    memory between steps, the update runs on the device (Newton–Schulz on owners: all-to-alls,
-    no host computation) and the params equal one-device optax's."""
+    memory between steps, the momentum is updated on the device and orthogonalised on owners
+    (the collectives of the step without offload: all-to-alls, none per Newton–Schulz matmul),
+    the AdamW group on the host, and the params equal one-device optax's."""
     params, data = init_params(jax.random.PRNGKey(0)), batches(10)
     state, step = zj.initialize(params, loss_fn, _offloaded(_ds(stage, 2)))
     assert state.plan.host_update and muon_recipe(state.plan, state.tx) is not None
-    text = step.lower(state, data[0]).compile().as_text()
-    assert collectives(text).count("all-to-all") > 0 and "_xla_compute_type" not in text
+    lowered = step.lower(state, data[0])
+    assert '_xla_compute_type = "host"' in lowered.as_text()  # the AdamW group
+    plain, plain_step = zj.initialize(params, loss_fn, _ds(stage, 2))
+    want = collectives(plain_step.lower(plain, data[0]).compile().as_text())
+    got = collectives(lowered.compile().as_text())
+    assert got.count("all-to-all") > 0 and {k: v[0] for k, v in got.kinds.items()} == {
+        k: v[0] for k, v in want.kinds.items()}
     for b in data:
         state, _ = step(state, b)
     assert _moment_kinds(state.opt_state) == {"muon": {"pinned_host"}, "adam": {"pinned_host"}}
@@ -216,3 +222,26 @@ def test_muon_with_nvme_offload_is_refused_by_name():
     ds["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": "/tmp"}
     with pytest.raises(zj.ConfigError, match="nvme"):
         zj.initialize(init_params(jax.random.PRNGKey(0)), loss_fn, ds)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision,stage,extra", [("bf16", 2, {}), ("fp16", 1, {}),
+                                                   ("bf16", 3, {"offload_param": "cpu"})])
+def test_offloaded_muon_in_mixed_precision_equals_muon_on_the_device(precision, stage, extra):
+    """16-bit params over an fp32 master in host memory (and params offloaded at stage 3): the
+    same params and master as Muon with its state on the device (bitwise under XLA's default
+    flags; the tests' fast-compile flags fuse the two programs differently)."""
+    params, data = init_params(jax.random.PRNGKey(0)), batches(6)
+    tx = optax.inject_hyperparams(optax.contrib.muon)(learning_rate=0.02, weight_decay=0.01)
+    out = []
+    for offload in ({}, {"offload_optimizer": "cpu", **extra}):
+        state = zj.shard_train_state(params, tx, mesh=zj.make_mesh(),
+                                     config=zj.ZeroConfig(stage=stage, precision=precision, **offload))
+        step = zj.make_train_step(loss_fn, state)
+        for b in data:
+            state, _ = step(state, b)
+        out.append(state)
+    assert {x.sharding.memory_kind for x in jax.tree_util.tree_leaves(out[1].master)} == {"pinned_host"}
+    host = lambda tree: jax.tree_util.tree_map(np.asarray, tree)  # noqa: E731
+    assert max_rel_err(host(unshard_params(out[0])), host(unshard_params(out[1]))) < 1e-5
+    assert max_rel_err(host(out[0].master), host(out[1].master)) < 1e-5

@@ -30,7 +30,7 @@ from zerojax._plan import DEVICE, ZeroPlan
 from zerojax.stages._adam import adam_recipe
 from zerojax.stages._gated import gated_update, plan_recipe
 from zerojax.stages._gradients import grads_fn
-from zerojax.stages._muon import muon_recipe, muon_update
+from zerojax.stages._muon import muon_offloaded_update, muon_recipe, muon_update
 from zerojax.stages._update import master_view, optax_update, params_from_master, takes_value
 from zerojax._state import TrainState, state_shardings
 from zerojax.update._pipeline import (
@@ -97,6 +97,14 @@ def _update_fn(loss_fn: Callable, plan: ZeroPlan, tx, has_aux: bool, fused_adam:
         return jax.tree_util.tree_map(lambda o, n: jnp.where(skip, o, n), (master, opt_state), new)
 
 
+    def muon_offloaded(state, grads, skip):
+        # the Muon momentum is fetched and put back, the AdamW group's moments updated on the host
+        params = placement.fetch(state.params, homes.params)
+        master = state.master if plan.has_master else master_view(plan, state.replace(params=params))
+        params_c, master, opt_state = muon_offloaded_update(plan, muon, tx, master, grads, state.opt_state, homes,
+                                                            skip)
+        return params_from_master(plan, params_c), master, opt_state
+
     def on_device(state, grads, skip, key, value):
         # offloaded state is fetched from host memory for the update and put back after it
         state = state.replace(params=placement.fetch(state.params, homes.params),
@@ -139,7 +147,9 @@ def _update_fn(loss_fn: Callable, plan: ZeroPlan, tx, has_aux: bool, fused_adam:
         def device():
             return on_device(state, jax.tree_util.tree_map(lambda g: g / coef, grads), skip, key, value)
 
-        if host_apply is not None:
+        if muon is not None and plan.host_update:  # Muon's state in host memory, Newton–Schulz on owners
+            done = muon_offloaded(state, jax.tree_util.tree_map(lambda g: g / coef, grads), skip)
+        elif host_apply is not None:
             done = host_or_device(lambda: on_host(state, scaled, grads, scale, coef, skip, key, value), device,
                                   "offload_optimizer='cpu'")
         else:

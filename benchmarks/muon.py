@@ -11,6 +11,9 @@ and smaller ``{"c": [d, d/4], "e": [d/4, d]}`` matrices, each block scaled by a 
 * ``zj-optax-s1`` / ``zj-optax-s3``: the same with its lr as a constant schedule, which zerojax
   does not read: updated through optax on the partitioned state (the baseline);
 * ``zj-adamw-s1`` / ``zj-adamw-s3``: ``optax.adamw`` at the same stages;
+* ``zj-adamw-s0`` / ``zj-muon-s0`` / ``zj-optax-s0``: the same three at stage 0 (replicated
+  state: on owners each device orthogonalises 1/N of the matrices and all-gathers the results;
+  through optax every device orthogonalises every matrix);
 * ``fsdp-muon``: ``optax.contrib.muon`` under plain ``jax.jit``, every leaf split along its
   largest dimension (GSPMD's FSDP);
 * ``ddp-muon``: the same with every leaf replicated.
@@ -127,6 +130,9 @@ CONTENDERS = {  # AdamW first: the Muon rows compare their bytes with it
     "zj-muon-s3": lambda p, m: ZeroJax(p, muon, 3, m),
     "zj-optax-s1": lambda p, m: ZeroJax(p, muon_through_optax, 1, m),
     "zj-optax-s3": lambda p, m: ZeroJax(p, muon_through_optax, 3, m),
+    "zj-adamw-s0": lambda p, m: ZeroJax(p, adamw, 0, m),
+    "zj-muon-s0": lambda p, m: ZeroJax(p, muon, 0, m),
+    "zj-optax-s0": lambda p, m: ZeroJax(p, muon_through_optax, 0, m),
     "fsdp-muon": lambda p, m: Plain(p, muon, "fsdp", m),
     "ddp-muon": lambda p, m: Plain(p, muon, "ddp", m),
 }

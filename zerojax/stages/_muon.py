@@ -1,5 +1,5 @@
 """Muon with owner-computed Newton–Schulz: each Muon matrix is orthogonalised whole, once per
-optimizer step, by one device of the data axis.
+optimizer step, by one device of the data axis (stages 0–3).
 
 Through optax's own update on partitioned state, XLA splits every Newton–Schulz matmul of a
 sharded leaf over the devices, one collective per matmul (an 8-layer model at stage 1: 323
@@ -20,6 +20,9 @@ the step brings the Muon leaves' momentum partitions to the device for this upda
 them back (``placement.fetch`` / ``put_back``), so the Newton–Schulz iterations never run inside
 a host computation, while the AdamW group is updated by a host computation, its moments staying
 in host memory.
+
+At stage 0 (the state replicated) each device orthogonalises its 1/N of each stack and one
+all-gather per shape shares the results.
 
 The collectives do not grow with the iterations, and the all-to-alls move about 2Ψ_muon/N per
 device. The optimizer is recognised from its state (``optax.contrib.muon`` under
@@ -42,7 +45,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import zerojax._placement as placement
-from zerojax._compat import compute_on_host, same_memory_space
+from zerojax._compat import compute_on_host, same_memory_space, shard_map
 from zerojax._low_precision import round_master
 from zerojax._plan import DEVICE
 from zerojax.update._recognize import partition_groups
@@ -138,16 +141,41 @@ def _advance_scalars(tx, recipe: MuonRecipe, treedef, opt_state, muon_node, adam
     return _settings(hp, recipe), after
 
 
-def _newton_schulz(stacks, ns_coeffs, eps, constrain):
-    """{(m, n): [k, m, n]} -> the orthogonalised stacks; ``constrain(stack, owned)`` places a
-    stack (owned: split over the data axis by matrix), the identity off the mesh."""
+def _newton_schulz(stacks, ns_coeffs, eps, owners):
+    """{(m, n): [k, m, n]} -> the orthogonalised stacks; ``owners(ns, stack)`` runs ``ns`` on
+    the stack where its matrices' owners hold them (:func:`_owners`), ``ns(stack)`` off the mesh."""
     out = {}
     dims = optax.contrib.MuonDimensionNumbers(reduction_axis=1, output_axis=2)
+    ns = lambda x: orthogonalize_via_newton_schulz(x, ns_coeffs, _NS_STEPS, "frobenius", eps, dims)  # noqa: E731
     for key, x in stacks.items():
-        x = constrain(x, True)
-        y = orthogonalize_via_newton_schulz(x, ns_coeffs, _NS_STEPS, "frobenius", eps, dims)
-        out[key] = constrain(y, True)
+        out[key] = owners(ns, x)
     return out
+
+
+def _owners(plan):
+    """How a stack of matrices (a multiple of N of them) reaches its owners, N per device.
+
+    Stages 1–3 (the stack built from partitions): a sharding constraint splitting it by matrix,
+    which XLA makes one all-to-all there and one back. Stage 0 (every device holds every
+    matrix): each device takes its block of the stack (a local slice), orthogonalises it, and
+    one all-gather gives every device the whole result, instead of every device running the
+    iterations on every matrix."""
+    axis = plan.data_axis
+    owned = NamedSharding(plan.mesh, P(axis))
+    if plan.stage >= 1:
+        def split(ns, x):
+            return jax.lax.with_sharding_constraint(
+                ns(jax.lax.with_sharding_constraint(x, owned)), owned)
+        return split
+
+    whole = NamedSharding(plan.mesh, P())
+
+    def gathered(ns, x):
+        body = lambda block: jax.lax.all_gather(ns(block), axis, axis=0, tiled=True)  # noqa: E731
+        # replicated on the way in: the split must not travel back into the momentum's layout
+        x = jax.lax.with_sharding_constraint(x, whole)
+        return shard_map(body, plan.mesh, in_specs=P(axis), out_specs=P(), manual_axes=(axis,))(x)
+    return gathered
 
 
 def _bias_corrected(x, decay, count):
@@ -166,11 +194,11 @@ def _adamw(g, p, mu, nu, s, a_count):
     return -s["adam_learning_rate"] * u, mu, nu
 
 
-def _update(tx, recipe: MuonRecipe, grads, opt_state, params, constrain=None, n: int = 1,
+def _update(tx, recipe: MuonRecipe, grads, opt_state, params, owners=None, n: int = 1,
             elsewhere: frozenset = frozenset()):
     """``(updates, new opt_state)`` of optax.contrib.muon on logical trees, with the
-    Newton–Schulz iterations run on stacks of whole matrices (placed by ``constrain``)."""
-    constrain = constrain or (lambda x, owned: x)
+    Newton–Schulz iterations run on stacks of whole matrices (on their owners: ``owners``)."""
+    owners = owners or (lambda ns, x: ns(x))
     treedef = jax.tree_util.tree_structure(params)
     muon_node, adam_node = _nodes(opt_state)
     s, after = _advance_scalars(tx, recipe, treedef, opt_state, muon_node, adam_node)
@@ -203,7 +231,7 @@ def _update(tx, recipe: MuonRecipe, grads, opt_state, params, constrain=None, n:
         if pad:
             parts.append(jnp.zeros((pad,) + key, parts[0].dtype))
         stacks[key] = jnp.concatenate(parts, axis=0) if len(parts) > 1 else parts[0]
-    done = _newton_schulz(stacks, muon_node.ns_coeffs, s["eps"], constrain)
+    done = _newton_schulz(stacks, muon_node.ns_coeffs, s["eps"], owners)
     for key, idx in groups.items():
         start = 0
         for i in idx:
@@ -357,12 +385,12 @@ def _cached(tx, key):
 
 def muon_recipe(plan, tx) -> Optional[MuonRecipe]:
     """The owner-computed Muon update for ``tx`` on ``plan``, or None (optax's own update runs):
-    ``tx`` must be a recognised ``optax.contrib.muon``, the optimizer state partitioned (stages
-    1–3) in fp32, on the device or in host memory (``offload_optimizer="cpu"``, any
-    ``offload_ratio``: the step fetches it for the update), and every leaf on the data axis only
-    (no tensor or sequence parallel split)."""
+    ``tx`` must be a recognised ``optax.contrib.muon``, the optimizer state in fp32 (partitioned
+    at stages 1–3, replicated at stage 0: :func:`_owners`), on the device or in host memory
+    (``offload_optimizer="cpu"``, any ``offload_ratio``: :func:`muon_offloaded_update`), and
+    every leaf on the data axis only (no tensor or sequence parallel split)."""
     cfg = plan.config
-    if plan.stage < 1 or plan.n < 2 or cfg.master_weights_dtype or cfg.optimizer_state_dtype:
+    if plan.n < 2 or cfg.master_weights_dtype or cfg.optimizer_state_dtype:
         return None
     if cfg.offload_optimizer is not None and (cfg.offload_optimizer != "cpu" or plan.optimizer_state_outside):
         return None  # NVMe and ZenFlow keep the state themselves (their steps refuse Muon by name)
@@ -381,12 +409,7 @@ def muon_update(plan, recipe: MuonRecipe, tx, master, grads, opt_state, key=None
     current = placement.to_update(plan, master)
     grads = placement.to_update(plan, grads)
     state = placement.opt_to_update(plan, opt_state)
-    owned = NamedSharding(plan.mesh, P(plan.data_axis))
-
-    def constrain(x, _owned):
-        return jax.lax.with_sharding_constraint(x, owned)
-
-    updates, state = _update(tx, recipe, grads, state, current, constrain, plan.n)
+    updates, state = _update(tx, recipe, grads, state, current, _owners(plan), plan.n)
     updates = plan.map(lambda lay, u: jax.lax.with_sharding_constraint(u, plan.update_sharding(lay)), updates)
     new = round_master(plan, optax.apply_updates(current, updates), key)
     return placement.to_storage(plan, new), placement.opt_to_storage(plan, state)
@@ -453,9 +476,7 @@ def muon_offloaded_update(plan, recipe: MuonRecipe, tx, master, grads, opt_state
     # the device: Muon on owners, the AdamW leaves kept in device memory
     current = placement.to_update(plan, dev_master)
     state = placement.opt_to_update(plan, dev_opt)
-    owned = NamedSharding(plan.mesh, P(plan.data_axis))
-    constrain = lambda x, _owned: jax.lax.with_sharding_constraint(x, owned)  # noqa: E731
-    updates, new_state = _update(tx, recipe, placement.to_update(plan, grads), state, current, constrain, plan.n,
+    updates, new_state = _update(tx, recipe, placement.to_update(plan, grads), state, current, _owners(plan), plan.n,
                                  elsewhere=on_host)
     updates = plan.map(lambda lay, u: jax.lax.with_sharding_constraint(u, plan.update_sharding(lay)), updates)
     new_master = placement.to_storage(plan, optax.apply_updates(current, updates))

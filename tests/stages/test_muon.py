@@ -224,6 +224,21 @@ def test_muon_with_nvme_offload_is_refused_by_name():
         zj.initialize(init_params(jax.random.PRNGKey(0)), loss_fn, ds)
 
 
+def test_an_overflowing_fp16_step_leaves_offloaded_muon_state_bitwise_unchanged():
+    """The skip reaches both halves: the device's (Muon momentum, counts, master) and the host
+    computation's (the AdamW group's moments and master)."""
+    tx = optax.inject_hyperparams(optax.contrib.muon)(learning_rate=0.02, weight_decay=0.01)
+    config = zj.ZeroConfig(stage=2, precision="fp16", offload_optimizer="cpu", initial_scale_power=100)
+    state = zj.shard_train_state(init_params(jax.random.PRNGKey(0)), tx, mesh=zj.make_mesh(), config=config)
+    step = zj.make_train_step(loss_fn, state)
+    host = lambda s: [np.asarray(x) for x in jax.tree_util.tree_leaves((s.params, s.master, s.opt_state))]  # noqa: E731
+    before = host(state)
+    state, metrics = step(state, batches(1)[0])
+    assert bool(metrics["skipped"])
+    assert all(np.array_equal(a, b) for a, b in zip(before, host(state)))
+    assert _moment_kinds(state.opt_state) == {"muon": {"pinned_host"}, "adam": {"pinned_host"}}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("precision,stage,extra", [("bf16", 2, {}), ("fp16", 1, {}),
                                                    ("bf16", 3, {"offload_param": "cpu"})])

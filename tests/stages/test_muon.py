@@ -279,3 +279,24 @@ def test_stage_0_orthogonalises_each_matrix_once_and_equals_optax():
         state, _ = step(state, b)
     ref = reference_run(params, _reference_tx(), data)
     assert max_rel_err(unshard_params(state), ref.params) < 1e-5
+
+
+@pytest.mark.slow
+def test_offloaded_muon_checkpoints_restore_on_the_device_and_offloaded(tmp_path):
+    """Saved at stage 1 with the state in host memory, restored at stage 3 on the device and at
+    stage 2 offloaded: both continue to one-device optax's params."""
+    params, data = init_params(jax.random.PRNGKey(0)), batches(6)
+    state, step = zj.initialize(params, loss_fn, _offloaded(_ds(1, 1)))
+    for b in data[:3]:
+        state, _ = step(state, b)
+    manager = zj.CheckpointManager(str(tmp_path))
+    manager.save(3, state)
+    manager.wait_until_finished()
+    ref = reference_run(params, _reference_tx(), data)
+    for ds in (_ds(3, 1), _offloaded(_ds(2, 1))):
+        target, step = zj.initialize(params, loss_fn, ds)
+        restored, _ = zj.checkpoint.restore(str(tmp_path), target)
+        for b in data[3:]:
+            restored, _ = step(restored, b)
+        assert max_rel_err(unshard_params(restored), ref.params) < 1e-5
+    assert _moment_kinds(restored.opt_state) == {"muon": {"pinned_host"}, "adam": {"pinned_host"}}

@@ -11,6 +11,13 @@ and smaller ``{"c": [d, d/4], "e": [d/4, d]}`` matrices, each block scaled by a 
 * ``zj-optax-s1`` / ``zj-optax-s3``: the same with its lr as a constant schedule, which zerojax
   does not read: updated through optax on the partitioned state (the baseline);
 * ``zj-adamw-s1`` / ``zj-adamw-s3``: ``optax.adamw`` at the same stages;
+* ``zj-adamw-s0`` / ``zj-muon-s0`` / ``zj-optax-s0``: the same three at stage 0 (replicated
+  state: on owners each device orthogonalises 1/N of the matrices and all-gathers the results;
+  through optax every device orthogonalises every matrix);
+* ``zj-adamw-off-s1`` / ``zj-muon-off-s1`` / ``zj-optax-off-s1``: the stage 1 three with
+  ``offload_optimizer="cpu"`` (AdamW in the host kernel; Muon's momentum fetched for the
+  update on owners and the AdamW group on the host; through optax: the whole update in a
+  host computation);
 * ``fsdp-muon``: ``optax.contrib.muon`` under plain ``jax.jit``, every leaf split along its
   largest dimension (GSPMD's FSDP);
 * ``ddp-muon``: the same with every leaf replicated.
@@ -80,8 +87,8 @@ def adamw():
 
 
 class ZeroJax:
-    def __init__(self, params, make_tx, stage, mesh):
-        self.state = zj.shard_train_state(params, make_tx(), mesh=mesh, config=zj.ZeroConfig(stage=stage))
+    def __init__(self, params, make_tx, stage, mesh, **config):
+        self.state = zj.shard_train_state(params, make_tx(), mesh=mesh, config=zj.ZeroConfig(stage=stage, **config))
         self.step = zj.make_train_step(loss_fn, self.state)
 
     def compiled(self, batch):
@@ -127,6 +134,12 @@ CONTENDERS = {  # AdamW first: the Muon rows compare their bytes with it
     "zj-muon-s3": lambda p, m: ZeroJax(p, muon, 3, m),
     "zj-optax-s1": lambda p, m: ZeroJax(p, muon_through_optax, 1, m),
     "zj-optax-s3": lambda p, m: ZeroJax(p, muon_through_optax, 3, m),
+    "zj-adamw-s0": lambda p, m: ZeroJax(p, adamw, 0, m),
+    "zj-muon-s0": lambda p, m: ZeroJax(p, muon, 0, m),
+    "zj-optax-s0": lambda p, m: ZeroJax(p, muon_through_optax, 0, m),
+    "zj-adamw-off-s1": lambda p, m: ZeroJax(p, adamw, 1, m, offload_optimizer="cpu"),
+    "zj-muon-off-s1": lambda p, m: ZeroJax(p, muon, 1, m, offload_optimizer="cpu"),
+    "zj-optax-off-s1": lambda p, m: ZeroJax(p, muon_through_optax, 1, m, offload_optimizer="cpu"),
     "fsdp-muon": lambda p, m: Plain(p, muon, "fsdp", m),
     "ddp-muon": lambda p, m: Plain(p, muon, "ddp", m),
 }
@@ -160,7 +173,7 @@ def main(argv=None):
     print(f"{args.layers} layers, d {args.d}, batch {args.batch}, {psi / 1e6:.2f}M params "
           f"({muon_psi / psi:.3f} of them in Muon's matrices), {mesh.shape['data']} devices, fp32")
     runners = {name: CONTENDERS[name](params, mesh) for name in args.contenders}
-    head = (f"{'contender':<12} {'collectives':>11} {'bytes/4Psi':>10} {'-adamw':>7} {'FLOPs/dev':>10}  by kind   "
+    head = (f"{'contender':<15} {'collectives':>11} {'bytes/4Psi':>10} {'-adamw':>7} {'FLOPs/dev':>10}  by kind   "
             "(-adamw: bytes over AdamW's at the same stage, in Muon params' bytes)")
     print(head)
     reports = {}
@@ -171,7 +184,7 @@ def main(argv=None):
         count = sum(rep.count(k) for k in rep.kinds)
         adamw = reports.get("zj-adamw-" + name[-2:]) if name.startswith("zj-") else None
         over = f"{(rep.total_bytes - adamw.total_bytes) / (4 * muon_psi):>7.2f}" if adamw else f"{'':>7}"
-        print(f"{name:<12} {count:>11} {rep.total_bytes / (4 * psi):>10.2f} {over} {flops(c):>10.2e}  {kinds or '-'}")
+        print(f"{name:<15} {count:>11} {rep.total_bytes / (4 * psi):>10.2f} {over} {flops(c):>10.2e}  {kinds or '-'}")
     times = {name: [] for name in runners}
     for r in runners.values():  # compile and warm up
         jax.block_until_ready(r.run(batch))
@@ -183,10 +196,10 @@ def main(argv=None):
             jax.block_until_ready(loss)
             times[name].append((time.perf_counter() - t0) / args.steps)
     base = statistics.median(times["ddp-muon"]) if "ddp-muon" in times else None
-    print(f"{'contender':<12} {'ms/step':>9} {'x ddp-muon':>11}   ({args.rounds} interleaved rounds of {args.steps})")
+    print(f"{'contender':<15} {'ms/step':>9} {'x ddp-muon':>11}   ({args.rounds} interleaved rounds of {args.steps})")
     for name, ts in times.items():
         med = statistics.median(ts)
-        print(f"{name:<12} {med * 1e3:>9.2f} {med / base if base else float('nan'):>11.2f}")
+        print(f"{name:<15} {med * 1e3:>9.2f} {med / base if base else float('nan'):>11.2f}")
 
 
 if __name__ == "__main__":

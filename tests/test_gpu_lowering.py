@@ -137,6 +137,19 @@ def test_zeropp_qwz_hpz_qgz_at_stage3_lower_for_cuda():
     assert collectives(traced.lower(lowering_platforms=("cuda",)).as_text())["all_to_all"] > 0  # qgZ
 
 
+def test_muon_on_owners_lowers_for_cuda_at_stage_0_and_offloaded():
+    """Muon's owner paths: stage 0's shard_map and all-gather; with offload_optimizer cpu the
+    Muon momentum in host memory, fetched for the device update, and the AdamW group under
+    compute_on (no native host kernel: that one is Adam's)."""
+    tx = optax.inject_hyperparams(optax.contrib.muon)(learning_rate=0.02, weight_decay=0.01)
+    traced = traced_step(tx=tx, stage=0)
+    check_cuda(traced)
+    assert collectives(traced.lower(lowering_platforms=("cuda",)).as_text())["all_gather"] > 0
+    traced = traced_step(tx=tx, stage=2, offload_optimizer="cpu")
+    check_cuda(traced, host_memory=True)
+    assert '_xla_compute_type = "host"' in traced.lower(lowering_platforms=("cuda",)).as_text()
+
+
 def test_zenflow_device_program_lowers_for_cuda():
     config = zj.ZeroConfig(stage=2, offload_optimizer="cpu", param_persistence_threshold=0,
                            zenflow={"topk_ratio": 0.25, "update_interval": 2})

@@ -2,6 +2,8 @@
 equal to one-device optax at stages 1–3 with gradient accumulation, its step holds a fixed
 number of collectives (all-to-alls per matrix shape, none per Newton–Schulz matmul), and a
 Muon-like transformation it does not recognise keeps running through optax."""
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,6 +12,7 @@ import optax.contrib
 import pytest
 
 import zerojax as zj
+from zerojax._plan import path_str
 from zerojax._state import unshard_params
 from zerojax.config._optimizers import muon_dimension_numbers, optimizer_from_config
 from zerojax.stages._muon import muon_recipe
@@ -151,3 +154,149 @@ def test_collectives_do_not_follow_the_iterations_and_bytes_stay_within_adamws_p
     assert count(muon) - muon.count("all-to-all") <= count(adamw)
     muon_bytes = 4 * sum(x.size for x in jax.tree_util.tree_leaves(params) if x.ndim == 2)
     assert muon.total_bytes <= adamw.total_bytes + 1.0 * muon_bytes
+
+
+# ------------------------------------------------------------------ offload_optimizer="cpu"
+
+
+def _offloaded(ds, **offload):
+    ds = {**ds, "zero_optimization": {**ds["zero_optimization"], "offload_optimizer": {"device": "cpu", **offload}}}
+    return ds
+
+
+def _moment_kinds(opt_state):
+    """The memory kinds of the Muon momentum and the AdamW group's moments, by group."""
+    parts = opt_state.inner_state.inner_states
+    muon, adam = parts["muon"].inner_state[0], parts["adam"].inner_state[0]
+    kinds = lambda tree: {x.sharding.memory_kind for x in jax.tree_util.tree_leaves(tree)}  # noqa: E731
+    return {"muon": kinds(muon.mu), "adam": kinds((adam.mu, adam.nu))}
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_offloaded_muon_keeps_its_state_on_the_host_and_orthogonalises_on_owners(stage):
+    """Muon with offload_optimizer cpu: the momentum and the AdamW moments live in pinned host
+    memory between steps, the momentum is updated on the device and orthogonalised on owners
+    (the collectives of the step without offload: all-to-alls, none per Newton–Schulz matmul),
+    the AdamW group on the host, and the params equal one-device optax's."""
+    params, data = init_params(jax.random.PRNGKey(0)), batches(10)
+    state, step = zj.initialize(params, loss_fn, _offloaded(_ds(stage, 2)))
+    assert state.plan.host_update and muon_recipe(state.plan, state.tx) is not None
+    lowered = step.lower(state, data[0])
+    assert '_xla_compute_type = "host"' in lowered.as_text()  # the AdamW group
+    plain, plain_step = zj.initialize(params, loss_fn, _ds(stage, 2))
+    want = collectives(plain_step.lower(plain, data[0]).compile().as_text())
+    got = collectives(lowered.compile().as_text())
+    assert got.count("all-to-all") > 0 and {k: v[0] for k, v in got.kinds.items()} == {
+        k: v[0] for k, v in want.kinds.items()}
+    for b in data:
+        state, _ = step(state, b)
+    assert _moment_kinds(state.opt_state) == {"muon": {"pinned_host"}, "adam": {"pinned_host"}}
+    ref = reference_run(params, _reference_tx(), data)
+    assert max_rel_err(unshard_params(state), ref.params) < 1e-5
+
+
+@pytest.mark.slow
+def test_partially_offloaded_muon_keeps_each_side_and_equals_optax():
+    """offload_ratio 0.5 at stage 3: each leaf's state stays on its side (no HostUpdateWarning),
+    the update runs on owners and equals optax."""
+    params, data = init_params(jax.random.PRNGKey(0)), batches(6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        state, step = zj.initialize(params, loss_fn, _offloaded(_ds(3, 1), ratio=0.5))
+        assert state.plan.partial_offload and muon_recipe(state.plan, state.tx) is not None
+        for b in data:
+            state, _ = step(state, b)
+    on_host = {lay.path for lay in state.plan.leaves if state.plan.opt_on_host(lay)}
+    assert on_host and len(on_host) < len(state.plan.leaves)
+    parts = state.opt_state.inner_state.inner_states
+    for name, group in (("muon", parts["muon"].inner_state[0].mu), ("adam", parts["adam"].inner_state[0].mu)):
+        for path, x in jax.tree_util.tree_flatten_with_path(group)[0]:
+            want = "pinned_host" if path_str(path) in on_host else "device"
+            assert x.sharding.memory_kind == want, (name, path_str(path))
+    ref = reference_run(params, _reference_tx(), data)
+    assert max_rel_err(unshard_params(state), ref.params) < 1e-5
+
+
+def test_muon_with_nvme_offload_is_refused_by_name():
+    ds = _offloaded(_ds(2, 1))
+    ds["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": "/tmp"}
+    with pytest.raises(zj.ConfigError, match="nvme"):
+        zj.initialize(init_params(jax.random.PRNGKey(0)), loss_fn, ds)
+
+
+def test_an_overflowing_fp16_step_leaves_offloaded_muon_state_bitwise_unchanged():
+    """The skip reaches both halves: the device's (Muon momentum, counts, master) and the host
+    computation's (the AdamW group's moments and master)."""
+    tx = optax.inject_hyperparams(optax.contrib.muon)(learning_rate=0.02, weight_decay=0.01)
+    config = zj.ZeroConfig(stage=2, precision="fp16", offload_optimizer="cpu", initial_scale_power=100)
+    state = zj.shard_train_state(init_params(jax.random.PRNGKey(0)), tx, mesh=zj.make_mesh(), config=config)
+    step = zj.make_train_step(loss_fn, state)
+    host = lambda s: [np.asarray(x) for x in jax.tree_util.tree_leaves((s.params, s.master, s.opt_state))]  # noqa: E731
+    before = host(state)
+    state, metrics = step(state, batches(1)[0])
+    assert bool(metrics["skipped"])
+    assert all(np.array_equal(a, b) for a, b in zip(before, host(state)))
+    assert _moment_kinds(state.opt_state) == {"muon": {"pinned_host"}, "adam": {"pinned_host"}}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision,stage,extra", [("bf16", 2, {}), ("fp16", 1, {}),
+                                                   ("bf16", 3, {"offload_param": "cpu"})])
+def test_offloaded_muon_in_mixed_precision_equals_muon_on_the_device(precision, stage, extra):
+    """16-bit params over an fp32 master in host memory (and params offloaded at stage 3): the
+    same params and master as Muon with its state on the device (bitwise under XLA's default
+    flags; the tests' fast-compile flags fuse the two programs differently)."""
+    params, data = init_params(jax.random.PRNGKey(0)), batches(6)
+    tx = optax.inject_hyperparams(optax.contrib.muon)(learning_rate=0.02, weight_decay=0.01)
+    out = []
+    for offload in ({}, {"offload_optimizer": "cpu", **extra}):
+        state = zj.shard_train_state(params, tx, mesh=zj.make_mesh(),
+                                     config=zj.ZeroConfig(stage=stage, precision=precision, **offload))
+        step = zj.make_train_step(loss_fn, state)
+        for b in data:
+            state, _ = step(state, b)
+        out.append(state)
+    assert {x.sharding.memory_kind for x in jax.tree_util.tree_leaves(out[1].master)} == {"pinned_host"}
+    host = lambda tree: jax.tree_util.tree_map(np.asarray, tree)  # noqa: E731
+    assert max_rel_err(host(unshard_params(out[0])), host(unshard_params(out[1]))) < 1e-5
+    assert max_rel_err(host(out[0].master), host(out[1].master)) < 1e-5
+
+
+# ------------------------------------------------------------------ stage 0
+
+
+def test_stage_0_orthogonalises_each_matrix_once_and_equals_optax():
+    """Stage 0 (every device holds the whole state): each device orthogonalises its 1/N of the
+    matrices and one all-gather per matrix shape shares the results, instead of every device
+    running the iterations on every matrix; 10 steps with accumulation equal optax's."""
+    params, data = init_params(jax.random.PRNGKey(0)), batches(10)
+    state, step = zj.initialize(params, loss_fn, _ds(0, 2))
+    assert muon_recipe(state.plan, state.tx) is not None
+    shapes = {tuple(lay.shape[-2:]) for lay, m in zip(state.plan.leaves, muon_recipe(state.plan, state.tx).muon) if m}
+    got = collectives(step.lower(state, data[0]).compile().as_text())
+    assert got.count("all-gather") == len(shapes) and got.count("all-to-all") == 0
+    for b in data:
+        state, _ = step(state, b)
+    ref = reference_run(params, _reference_tx(), data)
+    assert max_rel_err(unshard_params(state), ref.params) < 1e-5
+
+
+@pytest.mark.slow
+def test_offloaded_muon_checkpoints_restore_on_the_device_and_offloaded(tmp_path):
+    """Saved at stage 1 with the state in host memory, restored at stage 3 on the device and at
+    stage 2 offloaded: both continue to one-device optax's params."""
+    params, data = init_params(jax.random.PRNGKey(0)), batches(6)
+    state, step = zj.initialize(params, loss_fn, _offloaded(_ds(1, 1)))
+    for b in data[:3]:
+        state, _ = step(state, b)
+    manager = zj.CheckpointManager(str(tmp_path))
+    manager.save(3, state)
+    manager.wait_until_finished()
+    ref = reference_run(params, _reference_tx(), data)
+    for ds in (_ds(3, 1), _offloaded(_ds(2, 1))):
+        target, step = zj.initialize(params, loss_fn, ds)
+        restored, _ = zj.checkpoint.restore(str(tmp_path), target)
+        for b in data[3:]:
+            restored, _ = step(restored, b)
+        assert max_rel_err(unshard_params(restored), ref.params) < 1e-5
+    assert _moment_kinds(restored.opt_state) == {"muon": {"pinned_host"}, "adam": {"pinned_host"}}

@@ -7,7 +7,8 @@ gradients, so each device updates only its 1/N of the optimizer state. With
 (:mod:`zerojax.offload._host_update`); with ``offload_ratio`` < 1 (stage 3) only for the params
 whose optimizer state the plan keeps in host memory, while the others are updated on the
 device in the same step (:mod:`zerojax.offload._partial`); with ``fused_adam`` through the
-Pallas kernel.
+Pallas kernel. A recognised ``optax.contrib.muon`` is updated on the device whatever the
+state's home (:mod:`zerojax.stages._muon`): offloaded state is fetched and written back.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from zerojax._plan import DEVICE, ZeroPlan
 from zerojax.stages._adam import adam_recipe
 from zerojax.stages._gated import gated_update, plan_recipe
 from zerojax.stages._gradients import grads_fn
-from zerojax.stages._muon import muon_recipe, muon_update
+from zerojax.stages._muon import muon_offloaded_update, muon_recipe, muon_update
 from zerojax.stages._update import master_view, optax_update, params_from_master, takes_value
 from zerojax._state import TrainState, state_shardings
 from zerojax.update._pipeline import (
@@ -50,8 +51,12 @@ def _update_fn(loss_fn: Callable, plan: ZeroPlan, tx, has_aux: bool, fused_adam:
     check_split(plan, tx)
     split = plan.partial_offload  # offload_ratio < 1: some params' state on the host, the rest here
 
+    # optax.contrib.muon recognised: Newton–Schulz on whole matrices, one owner each (stages/_muon.py);
+    # with offload_optimizer="cpu" its state stays in host memory and is fetched for the update
+    muon = None if fused_adam else muon_recipe(plan, tx)
     host_apply = None
-    if plan.host_update:  # the native host kernel on CPU meshes, else the update under compute_on
+    # the native host kernel on CPU meshes, else the update under compute_on
+    if plan.host_update and muon is None:
         host_apply = compute_on_host(host_apply_fn(plan, tx))
         native = native_host_apply_fn(plan, tx)
         if native is not None:  # a CPU-only custom call: the program lowered for a GPU keeps compute_on
@@ -59,8 +64,6 @@ def _update_fn(loss_fn: Callable, plan: ZeroPlan, tx, has_aux: bool, fused_adam:
     # Adam/AdamW, SGD momentum on fp32 states: one gated pass, no select over the state (stages/gated.py)
     recipe = adam_recipe(tx) if fused_adam else None
     gated = None if fused_adam else plan_recipe(plan, tx)
-    # optax.contrib.muon recognised: Newton–Schulz on whole matrices, one owner each (stages/_muon.py)
-    muon = None if fused_adam or gated is not None or plan.host_update else muon_recipe(plan, tx)
 
     def on_host(state, scaled, grads, scale, coef, skip, key, value):
         # ZeRO-Offload: the (still loss-scaled) gradients travel to the host in the compute
@@ -93,6 +96,14 @@ def _update_fn(loss_fn: Callable, plan: ZeroPlan, tx, has_aux: bool, fused_adam:
         new = optax_update(plan, tx, master, grads, opt_state, key, value)
         return jax.tree_util.tree_map(lambda o, n: jnp.where(skip, o, n), (master, opt_state), new)
 
+
+    def muon_offloaded(state, grads, skip):
+        # the Muon momentum is fetched and put back, the AdamW group's moments updated on the host
+        params = placement.fetch(state.params, homes.params)
+        master = state.master if plan.has_master else master_view(plan, state.replace(params=params))
+        params_c, master, opt_state = muon_offloaded_update(plan, muon, tx, master, grads, state.opt_state, homes,
+                                                            skip)
+        return params_from_master(plan, params_c), master, opt_state
 
     def on_device(state, grads, skip, key, value):
         # offloaded state is fetched from host memory for the update and put back after it
@@ -136,7 +147,9 @@ def _update_fn(loss_fn: Callable, plan: ZeroPlan, tx, has_aux: bool, fused_adam:
         def device():
             return on_device(state, jax.tree_util.tree_map(lambda g: g / coef, grads), skip, key, value)
 
-        if host_apply is not None:
+        if muon is not None and plan.host_update:  # Muon's state in host memory, Newton–Schulz on owners
+            done = muon_offloaded(state, jax.tree_util.tree_map(lambda g: g / coef, grads), skip)
+        elif host_apply is not None:
             done = host_or_device(lambda: on_host(state, scaled, grads, scale, coef, skip, key, value), device,
                                   "offload_optimizer='cpu'")
         else:

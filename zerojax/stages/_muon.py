@@ -1,5 +1,5 @@
 """Muon with owner-computed Newton–Schulz: each Muon matrix is orthogonalised whole, once per
-optimizer step, by one device of the data axis.
+optimizer step, by one device of the data axis (stages 0–3).
 
 Through optax's own update on partitioned state, XLA splits every Newton–Schulz matmul of a
 sharded leaf over the devices, one collective per matmul (an 8-layer model at stage 1: 323
@@ -14,6 +14,15 @@ collectives moving 8.9x the params' bytes, against AdamW's 3 and 2.0x). Here:
   orthogonalised updates return to the partitioned layout (one all-to-all back);
 * the width scaling, weight decay and learning rate, and the whole AdamW group, run element-wise
   on the partitions; the updated params are gathered as for any optimizer (stages 1–2).
+
+With ``offload_optimizer="cpu"`` the state's home is host memory (:func:`muon_offloaded_update`):
+the step brings the Muon leaves' momentum partitions to the device for this update and writes
+them back (``placement.fetch`` / ``put_back``), so the Newton–Schulz iterations never run inside
+a host computation, while the AdamW group is updated by a host computation, its moments staying
+in host memory.
+
+At stage 0 (the state replicated) each device orthogonalises its 1/N of each stack and one
+all-gather per shape shares the results.
 
 The collectives do not grow with the iterations, and the all-to-alls move about 2Ψ_muon/N per
 device. The optimizer is recognised from its state (``optax.contrib.muon`` under
@@ -36,7 +45,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import zerojax._placement as placement
+from zerojax._compat import compute_on_host, same_memory_space, shard_map
 from zerojax._low_precision import round_master
+from zerojax._plan import DEVICE
 from zerojax.update._recognize import partition_groups
 
 try:  # optax's own iteration, so the numbers are optax's
@@ -44,7 +55,7 @@ try:  # optax's own iteration, so the numbers are optax's
 except ImportError:  # pragma: no cover - an optax without it: Muon runs through optax's update
     MuonState = orthogonalize_via_newton_schulz = None
 
-__all__ = ["MuonRecipe", "muon_recipe", "muon_update"]
+__all__ = ["MuonRecipe", "muon_offloaded_update", "muon_recipe", "muon_update"]
 
 # optax.contrib.muon's defaults, for the settings an injected one does not hold
 _DEFAULTS = {"beta": 0.95, "eps": 1e-8, "weight_decay": 0.0, "adam_b1": 0.9, "adam_b2": 0.999, "adam_eps_root": 0.0,
@@ -130,22 +141,64 @@ def _advance_scalars(tx, recipe: MuonRecipe, treedef, opt_state, muon_node, adam
     return _settings(hp, recipe), after
 
 
-def _newton_schulz(stacks, ns_coeffs, eps, constrain):
-    """{(m, n): [k, m, n]} -> the orthogonalised stacks; ``constrain(stack, owned)`` places a
-    stack (owned: split over the data axis by matrix), the identity off the mesh."""
+def _newton_schulz(stacks, ns_coeffs, eps, owners):
+    """{(m, n): [k, m, n]} -> the orthogonalised stacks; ``owners(ns, stack)`` runs ``ns`` on
+    the stack where its matrices' owners hold them (:func:`_owners`), ``ns(stack)`` off the mesh."""
     out = {}
     dims = optax.contrib.MuonDimensionNumbers(reduction_axis=1, output_axis=2)
+    ns = lambda x: orthogonalize_via_newton_schulz(x, ns_coeffs, _NS_STEPS, "frobenius", eps, dims)  # noqa: E731
     for key, x in stacks.items():
-        x = constrain(x, True)
-        y = orthogonalize_via_newton_schulz(x, ns_coeffs, _NS_STEPS, "frobenius", eps, dims)
-        out[key] = constrain(y, True)
+        out[key] = owners(ns, x)
     return out
 
 
-def _update(tx, recipe: MuonRecipe, grads, opt_state, params, constrain=None, n: int = 1):
+def _owners(plan):
+    """How a stack of matrices (a multiple of N of them) reaches its owners, N per device.
+
+    Stages 1–3 (the stack built from partitions): a sharding constraint splitting it by matrix,
+    which XLA makes one all-to-all there and one back. Stage 0 (every device holds every
+    matrix): each device takes its block of the stack (a local slice), orthogonalises it, and
+    one all-gather gives every device the whole result, instead of every device running the
+    iterations on every matrix."""
+    axis = plan.data_axis
+    owned = NamedSharding(plan.mesh, P(axis))
+    if plan.stage >= 1:
+        def split(ns, x):
+            return jax.lax.with_sharding_constraint(
+                ns(jax.lax.with_sharding_constraint(x, owned)), owned)
+        return split
+
+    whole = NamedSharding(plan.mesh, P())
+
+    def gathered(ns, x):
+        body = lambda block: jax.lax.all_gather(ns(block), axis, axis=0, tiled=True)  # noqa: E731
+        # replicated on the way in: the split must not travel back into the momentum's layout
+        x = jax.lax.with_sharding_constraint(x, whole)
+        return shard_map(body, plan.mesh, in_specs=P(axis), out_specs=P(), manual_axes=(axis,))(x)
+    return gathered
+
+
+def _bias_corrected(x, decay, count):
+    return x / (1 - decay ** count).astype(x.dtype)
+
+
+def _adamw(g, p, mu, nu, s, a_count):
+    """One AdamW leaf as optax.contrib.muon's AdamW group updates it (Nesterov), element-wise:
+    ``(update, mu, nu)``; ``a_count`` is the group's count after this step."""
+    b1, b2 = s["adam_b1"], s["adam_b2"]
+    mu = (1 - b1) * g + b1 * mu
+    nu = (1 - b2) * g ** 2 + b2 * nu
+    mu_hat = b1 * _bias_corrected(mu, b1, optax.safe_increment(a_count)) + (1 - b1) * _bias_corrected(g, b1, a_count)
+    u = mu_hat / (jnp.sqrt(_bias_corrected(nu, b2, a_count) + s["adam_eps_root"]) + s["eps"])
+    u = u + s["adam_weight_decay"] * p
+    return -s["adam_learning_rate"] * u, mu, nu
+
+
+def _update(tx, recipe: MuonRecipe, grads, opt_state, params, owners=None, n: int = 1,
+            elsewhere: frozenset = frozenset()):
     """``(updates, new opt_state)`` of optax.contrib.muon on logical trees, with the
-    Newton–Schulz iterations run on stacks of whole matrices (placed by ``constrain``)."""
-    constrain = constrain or (lambda x, owned: x)
+    Newton–Schulz iterations run on stacks of whole matrices (on their owners: ``owners``)."""
+    owners = owners or (lambda ns, x: ns(x))
     treedef = jax.tree_util.tree_structure(params)
     muon_node, adam_node = _nodes(opt_state)
     s, after = _advance_scalars(tx, recipe, treedef, opt_state, muon_node, adam_node)
@@ -155,8 +208,7 @@ def _update(tx, recipe: MuonRecipe, grads, opt_state, params, constrain=None, n:
     beta = s["beta"]
     m_count = optax.safe_increment(muon_node.count)
     a_count = optax.safe_increment(adam_node.count)
-    b1, b2 = s["adam_b1"], s["adam_b2"]
-    bc = lambda x, decay, count: x / (1 - decay ** count).astype(x.dtype)  # noqa: E731
+    bc = _bias_corrected
     new_mu, new_amu, new_anu = list(mu_leaves), list(amu_leaves), list(anu_leaves)
     updates = [None] * len(g_leaves)
     # Muon: momentum and Nesterov's corrected mix on the partitions, element-wise
@@ -179,7 +231,7 @@ def _update(tx, recipe: MuonRecipe, grads, opt_state, params, constrain=None, n:
         if pad:
             parts.append(jnp.zeros((pad,) + key, parts[0].dtype))
         stacks[key] = jnp.concatenate(parts, axis=0) if len(parts) > 1 else parts[0]
-    done = _newton_schulz(stacks, muon_node.ns_coeffs, s["eps"], constrain)
+    done = _newton_schulz(stacks, muon_node.ns_coeffs, s["eps"], owners)
     for key, idx in groups.items():
         start = 0
         for i in idx:
@@ -191,17 +243,15 @@ def _update(tx, recipe: MuonRecipe, grads, opt_state, params, constrain=None, n:
             u = u * jnp.sqrt(jnp.maximum(1, fan_out / fan_in))
             u = u + s["weight_decay"] * p_leaves[i]
             updates[i] = -s["learning_rate"] * u
-    # AdamW (Nesterov, as optax.contrib.muon builds it) on the partitions
+    # AdamW (Nesterov, as optax.contrib.muon builds it) on the partitions; the leaves in
+    # ``elsewhere`` are left to the caller (zero updates here, their moments as they came)
     for i, (g, p, muon) in enumerate(zip(g_leaves, p_leaves, recipe.muon)):
         if muon:
             continue
-        mu = (1 - b1) * g + b1 * amu_leaves[i]
-        nu = (1 - b2) * g ** 2 + b2 * anu_leaves[i]
-        new_amu[i], new_anu[i] = mu, nu
-        mu_hat = b1 * bc(mu, b1, optax.safe_increment(a_count)) + (1 - b1) * bc(g, b1, a_count)
-        u = mu_hat / (jnp.sqrt(bc(nu, b2, a_count) + s["adam_eps_root"]) + s["eps"])
-        u = u + s["adam_weight_decay"] * p
-        updates[i] = -s["adam_learning_rate"] * u
+        if i in elsewhere:
+            updates[i] = jnp.zeros_like(g)
+            continue
+        updates[i], new_amu[i], new_anu[i] = _adamw(g, p, amu_leaves[i], anu_leaves[i], s, a_count)
     after_muon, after_adam = _nodes(after)
     new_state = _with_nodes(after, after_muon._replace(mu=treedef.unflatten(new_mu)),
                             after_adam._replace(mu=treedef.unflatten(new_amu), nu=treedef.unflatten(new_anu)))
@@ -335,13 +385,15 @@ def _cached(tx, key):
 
 def muon_recipe(plan, tx) -> Optional[MuonRecipe]:
     """The owner-computed Muon update for ``tx`` on ``plan``, or None (optax's own update runs):
-    ``tx`` must be a recognised ``optax.contrib.muon``, the optimizer state partitioned (stages
-    1–3) on the device in fp32, and every leaf on the data axis only (no tensor or sequence
-    parallel split)."""
+    ``tx`` must be a recognised ``optax.contrib.muon``, the optimizer state in fp32 (partitioned
+    at stages 1–3, replicated at stage 0: :func:`_owners`), on the device or in host memory
+    (``offload_optimizer="cpu"``, any ``offload_ratio``: :func:`muon_offloaded_update`), and
+    every leaf on the data axis only (no tensor or sequence parallel split)."""
     cfg = plan.config
-    if plan.stage < 1 or plan.n < 2 or cfg.offload_optimizer is not None or cfg.master_weights_dtype \
-            or cfg.optimizer_state_dtype:
+    if plan.n < 2 or cfg.master_weights_dtype or cfg.optimizer_state_dtype:
         return None
+    if cfg.offload_optimizer is not None and (cfg.offload_optimizer != "cpu" or plan.optimizer_state_outside):
+        return None  # NVMe and ZenFlow keep the state themselves (their steps refuse Muon by name)
     if any(lay.extra or any(e is not None for e in lay.base_spec) for lay in plan.leaves):
         return None
     shapes = [(lay.shape, np.dtype(lay.dtype)) for lay in plan.leaves]
@@ -357,12 +409,100 @@ def muon_update(plan, recipe: MuonRecipe, tx, master, grads, opt_state, key=None
     current = placement.to_update(plan, master)
     grads = placement.to_update(plan, grads)
     state = placement.opt_to_update(plan, opt_state)
-    owned = NamedSharding(plan.mesh, P(plan.data_axis))
-
-    def constrain(x, _owned):
-        return jax.lax.with_sharding_constraint(x, owned)
-
-    updates, state = _update(tx, recipe, grads, state, current, constrain, plan.n)
+    updates, state = _update(tx, recipe, grads, state, current, _owners(plan), plan.n)
     updates = plan.map(lambda lay, u: jax.lax.with_sharding_constraint(u, plan.update_sharding(lay)), updates)
     new = round_master(plan, optax.apply_updates(current, updates), key)
     return placement.to_storage(plan, new), placement.opt_to_storage(plan, state)
+
+
+_ADAM_KEYS = ("adam_b1", "adam_b2", "adam_eps_root", "eps", "adam_weight_decay", "adam_learning_rate")
+
+
+def _host_adamw(plan, s, a_count, grads, master, mu, nu, skip):
+    """The AdamW group's leaves whose state lives in host memory, updated by a host computation
+    (``compute_on``) on their stored partitions (element-wise, so the padding stays zero):
+    ``(compute-dtype params, fp32 master, mu, nu)``, lists in the order given; a skipped step
+    keeps them. The moments never leave host memory; the gradients go there and the updated
+    params come back, as in the offloaded update of any other optimizer."""
+    host = NamedSharding(plan.mesh, P(), memory_kind=plan.opt_memory_kind)
+    scalars = {k: jax.device_put(jnp.asarray(s[k], jnp.float32), host) for k in _ADAM_KEYS}
+    scalars["count"] = jax.device_put(a_count, host)
+
+    def update(scalars, skip, gs, ps, mus, nus):
+        out = ([], [], [], [])
+        for g, p, m, v in zip(gs, ps, mus, nus):
+            u, m2, v2 = _adamw(g, p, m, v, scalars, scalars["count"])
+            keep = lambda old, new: jnp.where(skip, old, same_memory_space(new, old))  # noqa: E731
+            new_p = keep(p, p + u)
+            for bucket, x in zip(out, (same_memory_space(new_p.astype(plan.compute_dtype), p), new_p,
+                                       keep(m, m2), keep(v, v2))):
+                bucket.append(x)
+        return out
+
+    return compute_on_host(update)(scalars, jax.device_put(skip, host), grads, master, mu, nu)
+
+
+def muon_offloaded_update(plan, recipe: MuonRecipe, tx, master, grads, opt_state, homes, skip):
+    """A recognised Muon whose optimizer state lives in host memory (``offload_optimizer="cpu"``):
+    ``(compute-dtype params, master, opt_state)`` in storage layout, the master and the state
+    written back to their homes; ``skip`` keeps them.
+
+    * the Muon leaves: their momentum (and every scalar of the state) is fetched to the device,
+      updated there and orthogonalised on owners as in :func:`muon_update`, and put back;
+    * the AdamW group's leaves whose state is in host memory are updated by a host computation
+      (:func:`_host_adamw`), their moments read and written in place in host memory; those on
+      the device side of an ``offload_ratio`` split are updated on the device.
+
+    ``master``: the fp32 master in storage (in host memory) or, without one, the params' split
+    on the device; ``grads``: unscaled and clipped, on the device."""
+    lays = plan.leaves
+    on_host = frozenset(i for i, (lay, muon) in enumerate(zip(lays, recipe.muon)) if not muon and plan.opt_on_host(lay))
+    muon_node, adam_node = _nodes(opt_state)
+    flat = plan.treedef.flatten_up_to
+    amu, anu, masters, g_leaves = flat(adam_node.mu), flat(adam_node.nu), flat(master), flat(grads)
+
+    def stand_in(i, x):  # a device stand-in for a leaf the host computation updates (never read)
+        return jnp.zeros(x.shape, x.dtype) if i in on_host else x
+
+    sub = lambda xs: [stand_in(i, x) for i, x in enumerate(xs)]  # noqa: E731
+    dev_opt = _with_nodes(opt_state, muon_node, adam_node._replace(mu=plan.treedef.unflatten(sub(amu)),
+                                                                   nu=plan.treedef.unflatten(sub(anu))))
+    dev_opt = placement.fetch(dev_opt, homes.opt_state)
+    dev_master = plan.treedef.unflatten([
+        stand_in(i, x) if i in on_host else
+        jax.device_put(x, plan.master_sharding(lay).with_memory_kind(DEVICE)) if plan.has_master else x
+        for i, (lay, x) in enumerate(zip(lays, masters))])
+
+    # the device: Muon on owners, the AdamW leaves kept in device memory
+    current = placement.to_update(plan, dev_master)
+    state = placement.opt_to_update(plan, dev_opt)
+    updates, new_state = _update(tx, recipe, placement.to_update(plan, grads), state, current, _owners(plan), plan.n,
+                                 elsewhere=on_host)
+    updates = plan.map(lambda lay, u: jax.lax.with_sharding_constraint(u, plan.update_sharding(lay)), updates)
+    new_master = placement.to_storage(plan, optax.apply_updates(current, updates))
+    new_opt = placement.opt_to_storage(plan, new_state)
+    new_master, new_opt = jax.tree_util.tree_map(lambda o, n: jnp.where(skip, o, n), (dev_master, dev_opt),
+                                                 (new_master, new_opt))
+
+    # the host: the AdamW leaves whose moments live there
+    idx = sorted(on_host)
+    new_master = flat(new_master)
+    new_params = [x.astype(plan.compute_dtype) for x in new_master]
+    new_muon, new_adam = _nodes(new_opt)
+    new_amu, new_anu = flat(new_adam.mu), flat(new_adam.nu)
+    if idx:
+        s, _ = _advance_scalars(tx, recipe, plan.treedef, state, *_nodes(state))
+        a_count = optax.safe_increment(_nodes(dev_opt)[1].count)
+        to_host = lambda i, x: jax.device_put(x, plan.master_sharding(lays[i]))  # noqa: E731
+        host_p = [masters[i] if plan.has_master else to_host(i, masters[i]) for i in idx]
+        p16, p32, mu, nu = _host_adamw(plan, s, a_count, [to_host(i, g_leaves[i]) for i in idx], host_p,
+                                       [amu[i] for i in idx], [anu[i] for i in idx], skip)
+        for k, i in enumerate(idx):
+            dev = plan.master_sharding(lays[i]).with_memory_kind(DEVICE)
+            new_params[i] = jax.device_put(p16[k], dev)
+            new_master[i], new_amu[i], new_anu[i] = p32[k], mu[k], nu[k]
+    new_opt = _with_nodes(new_opt, new_muon, new_adam._replace(mu=plan.treedef.unflatten(new_amu),
+                                                               nu=plan.treedef.unflatten(new_anu)))
+    new_master = plan.treedef.unflatten(new_master)
+    master_out = placement.put_back(new_master, homes.master) if plan.has_master else None
+    return plan.treedef.unflatten(new_params), master_out, placement.put_back(new_opt, homes.opt_state)

@@ -134,6 +134,12 @@ def test_deadline_tightens_after_measured_steps_with_a_floor():
     dog.disarm("compile")
     assert dog.overdue(now) is None  # the step's clock restarted when its compile ended
     assert dog.overdue(now + 1801.0)["what"] == "step"
+    # a trace that compiles nothing (jax.eval_shape) between steps leaves no deadline behind
+    dog.inflight.clear()
+    dog.arm("compile", 2, 3600.0)
+    assert dog.overdue(time.monotonic() + 7200.0) is None
+    dog.inflight.append((3, time.monotonic()))
+    assert dog.overdue(time.monotonic() + 3601.0)["what"] == "compile"
 
 
 def test_step_timeout_zero_turns_the_watchdog_off():

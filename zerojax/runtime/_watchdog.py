@@ -33,6 +33,7 @@ the process's stacks file, and the launcher names the process that is behind.
 """
 from __future__ import annotations
 
+import atexit
 import collections
 import dataclasses
 import faulthandler
@@ -302,7 +303,6 @@ class Watchdog:
                 self.calls = self.first = int(getattr(state, "step", 0))
             except (TypeError, ValueError):
                 self.first = 0
-        self.disarm("exit")  # a script that caught the preemption's SystemExit and trains on
         with self._lock:
             self.calls += 1
             n = self.calls
@@ -373,6 +373,8 @@ class Watchdog:
             clocks = [t for t in (self.last_ready, self.compiled_at) if t is not None]
             first = self.first_timeout
         for what, (step, start, limit) in armed.items():
+            if what == "compile" and not inflight:
+                continue  # a trace outside any step (eval_shape, the user's own jit): no deadline between steps
             if limit > 0 and now - start > limit:
                 return {"what": what, "step": step, "waited": now - start, "limit": limit}
         if inflight and "compile" not in armed:  # a compile inside a step has the compile's deadline
@@ -625,7 +627,9 @@ class WatchedStep(StepWrapper):
             print(f"zerojax: {name} received (preemption): saved step {at} to {mngr.directory} (committed); "
                   f"exiting with code {PREEMPTED_EXIT}. Run the same command again to resume from it",
                   file=sys.stderr, flush=True)
-        dog.arm("exit", n, min(EXIT_GRACE, dog.timeout))
+        # once the interpreter is exiting (not while a script that caught the SystemExit goes on), its
+        # shutdown (jax.distributed's among it) gets EXIT_GRACE seconds before the process ends with 75
+        atexit.register(dog.arm, "exit", n, min(EXIT_GRACE, dog.timeout))
         raise SystemExit(PREEMPTED_EXIT)
 
     def lower(self, state, batch):

@@ -208,6 +208,31 @@ def test_the_named_preemption_signal_saves_like_sigterm(tmp_path):
     assert zj.checkpoint.intact_steps(ckpt) == [3]
 
 
+def test_sigterm_to_a_process_that_no_longer_trains_still_ends_it(tmp_path):
+    """A notice with no step to follow (the loop is over, the script evaluates or idles): the
+    process ends with 143 as SIGTERM would, after min(60 s, step_timeout)."""
+    script = tmp_path / "idle.py"
+    script.write_text(
+        "import os, signal, sys, time\n"
+        f"sys.path.insert(0, {ROOT!r})\n"
+        "import jax\n"
+        "jax.config.update('jax_num_cpu_devices', 8)\n"
+        "import optax, zerojax as zj\n"
+        "from tests import _fault_worker as w\n"
+        "state = zj.shard_train_state(w.init, optax.sgd(0.1), mesh=zj.make_mesh(8), rng=jax.random.PRNGKey(0),\n"
+        "                             config=zj.ZeroConfig(step_timeout=3))\n"
+        "step = zj.make_train_step(w.loss_fn, state)\n"
+        "state, m = step(state, w.global_batch(0))\n"
+        "print('trained', float(m['loss']), flush=True)\n"
+        "os.kill(os.getpid(), signal.SIGTERM)\n"
+        "time.sleep(60)\n"
+        "print('still running', flush=True)\n")
+    code, out, took = run([sys.executable, str(script)], timeout=120)
+    assert code == 128 + signal.SIGTERM, out
+    assert "no training step began in the 3 s since, so nothing was saved" in out and "still running" not in out
+    assert took < 40
+
+
 def test_sigterm_while_a_save_is_written_commits_it_and_saves_the_next(tmp_path, reference):
     ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "final.npz")
     code, log, _ = run([sys.executable, WORKER, "--ckpt", ckpt, "--steps", str(STEPS), "--save-every", "4",

@@ -264,6 +264,9 @@ class Watchdog:
         self._ready_event = threading.Event()
         self._wake = threading.Event()
         self.notice: Optional[int] = None  # the preemption signal received (one process)
+        self.notice_at: Optional[float] = None  # when it came (monotonic)
+        self.last_called: Optional[float] = None  # when the last step was called (monotonic)
+        self.in_call = False  # the main thread is inside a step call (its check for a notice is still to come)
         self.distributed = distributed_is_initialized()
         self.enabled = False
         self._stacks = None
@@ -306,12 +309,15 @@ class Watchdog:
         with self._lock:
             self.calls += 1
             n = self.calls
-            self.inflight.append((n, time.monotonic()))
+            self.last_called = time.monotonic()
+            self.in_call = True
+            self.inflight.append((n, self.last_called))
         self.ledger.record("step called", n)
         return n
 
     def dispatched(self, n: int, result: Any, detail: str = "") -> None:
         self.ledger.record("dispatched", n, detail)
+        self.in_call = False
         self.disarm("compile")
         self.ready_queue.append((n, result))
         self._ready_event.set()
@@ -320,6 +326,7 @@ class Watchdog:
         """The step raised: it is not in flight any more (the error is the caller's)."""
         with self._lock:
             self.inflight = collections.deque(x for x in self.inflight if x[0] != n)
+            self.in_call = False
         self.disarm("compile")
 
     def _ready(self, n: int) -> None:
@@ -395,7 +402,32 @@ class Watchdog:
             late = self.overdue()
             if late is not None:
                 self.fire(late)
+            if self.unanswered():
+                self.give_up_preemption()
             self.ledger.set_deadline(self.deadline() if self.enabled else 0.0)
+
+    def unanswered(self, now: Optional[float] = None) -> bool:
+        """A preemption notice came to this (single) process and no step has begun in the
+        ``min(EXIT_GRACE, step_timeout)`` seconds since: the script is not training any more."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            notice_at, last, in_call = self.notice_at, self.last_called, self.in_call
+        if self.notice is None or notice_at is None or self.distributed or in_call:
+            return False
+        return (last is None or last < notice_at) and now - notice_at > min(EXIT_GRACE, self.timeout or EXIT_GRACE)
+
+    def give_up_preemption(self) -> None:  # pragma: no cover - ends the process (tested in a child process)
+        """End the process as the signal would have without zerojax's handler (code 128 + signal)."""
+        name = signal.Signals(self.notice).name
+        self.ledger.record("preemption notice", self.calls, f"{name}: no step")
+        try:
+            sys.stderr.write(f"zerojax: {name} received, but no training step began in the "
+                             f"{min(EXIT_GRACE, self.timeout or EXIT_GRACE):.0f} s since, so nothing was saved; "
+                             f"exiting with code {128 + self.notice} as {name} would\n")
+            sys.stderr.flush()
+            sys.stdout.flush()
+        finally:
+            os._exit(128 + self.notice)
 
     def fire(self, late: dict) -> None:  # pragma: no cover - ends the process (tested in child processes)
         what = late["what"]
@@ -474,11 +506,10 @@ def _handler(signum, _frame):
     if dog is None:
         return
     dog.ledger.record("preemption notice", dog.calls, signal.Signals(signum).name)
-    if dog.distributed:  # hand it to JAX's notifier, which agrees on the step with the other processes
-        dog.notice = signum
-        os.kill(os.getpid(), signal.SIGTERM) if signum != signal.SIGTERM else None
-    else:
-        dog.notice = signum
+    dog.notice_at = time.monotonic()
+    dog.notice = signum
+    if dog.distributed and signum != signal.SIGTERM:  # JAX's notifier agrees on the step with the other processes
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 _handler._zerojax = True  # type: ignore[attr-defined]

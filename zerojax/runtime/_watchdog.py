@@ -271,6 +271,8 @@ class Watchdog:
         self.enabled = False
         self._stacks = None
         self._threads_started = False
+        self._stopping = False
+        self._waiter: Optional[threading.Thread] = None
 
     # ---------------------------------------------------------------------- configuration
     def configure(self, timeout: float, first_timeout: float) -> None:
@@ -285,7 +287,9 @@ class Watchdog:
             return
         self._threads_started = True
         threading.Thread(target=self._watch, name="zerojax-watchdog", daemon=True).start()
-        threading.Thread(target=self._wait_results, name="zerojax-step-results", daemon=True).start()
+        self._waiter = threading.Thread(target=self._wait_results, name="zerojax-step-results", daemon=True)
+        self._waiter.start()
+        atexit.register(self._stop_waiting)
         _listen_to_compiles(self)
         if self.directory and hasattr(signal, "SIGUSR2") and _main_thread():
             try:  # the launcher asks for every thread's stack with SIGUSR2, even while XLA holds this process
@@ -325,33 +329,44 @@ class Watchdog:
     def failed(self, n: int) -> None:
         """The step raised: it is not in flight any more (the error is the caller's)."""
         with self._lock:
-            self.inflight = collections.deque(x for x in self.inflight if x[0] != n)
+            if self.inflight and self.inflight[-1][0] == n:  # the step just called: the usual case
+                self.inflight.pop()
+            else:
+                self.inflight = collections.deque(x for x in self.inflight if x[0] != n)
             self.in_call = False
         self.disarm("compile")
 
     def _ready(self, n: int) -> None:
         now = time.monotonic()
         with self._lock:
-            called = next((t for s, t in self.inflight if s == n), None)
-            self.inflight = collections.deque(x for x in self.inflight if x[0] != n)
+            called = None
+            while self.inflight and self.inflight[0][0] <= n:  # results come in the order steps were called
+                s, t = self.inflight.popleft()
+                called = t if s == n else called
             if called is not None and n > (self.first or 0) + 1:
                 self.durations.append(now - max(called, self.last_ready or called))
             self.last_ready = now
         self.ledger.record("result ready", n)
 
     def _wait_results(self) -> None:
-        while True:
-            self._ready_event.wait()
+        """Note each step's result as it becomes ready, polling (every 20 ms while steps are in
+        flight): a thread blocked inside XLA's wait when the interpreter exits would abort it."""
+        while not self._stopping:
+            self._ready_event.wait(0.02 if self.ready_queue else 1.0)
             self._ready_event.clear()
-            while self.ready_queue:
-                n, result = self.ready_queue.popleft()
-                try:
-                    import jax
-
-                    jax.block_until_ready(result)
-                except Exception:  # noqa: BLE001 - the caller sees the step's error; the step is over
-                    pass
+            while self.ready_queue and not self._stopping:
+                n, result = self.ready_queue[0]
+                if not _is_ready(result):
+                    break
+                self.ready_queue.popleft()
                 self._ready(n)
+
+    def _stop_waiting(self) -> None:
+        """At exit: the result thread stops (it is never inside XLA then)."""
+        self._stopping = True
+        self._ready_event.set()
+        if self._waiter is not None:
+            self._waiter.join(timeout=2.0)
 
     # ------------------------------------------------------------------------ deadlines
     def deadline(self) -> float:
@@ -513,6 +528,17 @@ def _handler(signum, _frame):
 
 
 _handler._zerojax = True  # type: ignore[attr-defined]
+
+
+def _is_ready(result) -> bool:
+    """Whether a step's result (a jax array, or anything else: ready) is computed; never blocks."""
+    is_ready = getattr(result, "is_ready", None)
+    if not callable(is_ready):
+        return True
+    try:
+        return bool(is_ready())
+    except Exception:  # noqa: BLE001 - deleted or failed: the step is over either way
+        return True
 
 
 def _main_thread() -> bool:

@@ -270,13 +270,6 @@ def _check_target(meta: dict, plan: ZeroPlan, opt) -> None:
             "(zj.abstract_train_state(init_fn, tx, mesh=..., config=...)).")
 
 
-def restore_spec(meta: dict, target: TrainState):
-    """(item, restore_args, relayout inputs) for reading the checkpoint straight into the target's mesh."""
-    flat, opt, homes = _flat_spec(meta, target)
-    item, restore_args = _item(flat, range(len(target.plan.leaves)), range(len(opt)), True)
-    return item, restore_args, opt, homes
-
-
 def _flat_spec(meta: dict, target: TrainState):
     """What each leaf is read as (a ShapeDtypeStruct with the target's sharding), flat:
     ({"params": [...], "opt_state": [...], "step", "loss_scale", "rng"}, opt entries, homes)."""

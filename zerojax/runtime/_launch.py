@@ -275,13 +275,18 @@ class _Child:
             pass
 
 
+def _wait_for_exit(children: list[_Child], seconds: float) -> None:
+    """Wait until every child has exited, or ``seconds`` have passed."""
+    deadline = time.monotonic() + seconds
+    while any(c.proc.poll() is None for c in children) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def _stop(children: list[_Child], grace: float) -> None:
     """SIGTERM every running child, SIGKILL what is left after ``grace`` seconds, reap them all."""
     for c in children:
         c.signal(signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    while any(c.proc.poll() is None for c in children) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    _wait_for_exit(children, grace)
     for c in children:
         c.signal(signal.SIGKILL)
     for c in children:
@@ -406,9 +411,7 @@ def _wait(children: list[_Child], grace: float, interrupted: list, err: IO[str],
             if code == STUCK_EXIT:
                 _diagnose(children, done, watchdog_dir, say)
             elif code == PREEMPTED_EXIT:  # the others are saving the same step: let them finish
-                deadline = time.monotonic() + max(grace, 60.0)
-                while any(c.proc.poll() is None for c in children) and time.monotonic() < deadline:
-                    time.sleep(0.05)
+                _wait_for_exit(children, max(grace, 60.0))
             _stop(children, grace)
             done.reader.join(timeout=2.0)
             lines = "\n".join(f"  | {line}" for line in done.tail) or "  | (no output)"
@@ -469,10 +472,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--max-restarts {args.max_restarts}: must be >= 0")
     try:
         env_signal()  # a misspelt ZEROJAX_PREEMPTION_SIGNAL stops the launch before any rank starts
-    except ConfigError as e:
-        print(f"zerojax launch: error: {e}", file=sys.stderr)
-        return 2
-    try:
         hosts = None
         if args.hostfile:
             try:
@@ -480,7 +479,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     hosts = parse_hostfile(f.read(), args.hostfile)
             except OSError as e:
                 raise LaunchError(f"cannot read --hostfile {args.hostfile!r}: {e}") from None
-    except LaunchError as e:
+    except (ConfigError, LaunchError) as e:
         print(f"zerojax launch: error: {e}", file=sys.stderr)
         return 2
     remote = hosts is not None and not all(is_local(h.name) for h in hosts)

@@ -5,7 +5,7 @@ Every step ``zj.make_train_step`` builds (on device, host offload, NVMe, ZenFlow
 called, dispatched, result ready; compiles, checkpoint saves, preemption) and a thread of the
 process's :class:`Watchdog` checks them against a deadline::
 
-    step called ... dispatched ... result ready         (a second thread waits for the result:
+    step called ... dispatched ... result ready         (a second thread polls for the result:
                                                          the caller's thread is never synchronised)
 
 * The first step, and any compile (from JAX's own monitoring events), has ``first_step_timeout``.
@@ -37,7 +37,6 @@ import atexit
 import collections
 import dataclasses
 import faulthandler
-import math
 import mmap
 import os
 import signal
@@ -262,7 +261,6 @@ class Watchdog:
         self.compiled_at: Optional[float] = None  # when the last compile ended (a step's clock restarts)
         self.ready_queue: collections.deque = collections.deque()
         self._ready_event = threading.Event()
-        self._wake = threading.Event()
         self.notice: Optional[int] = None  # the preemption signal received (one process)
         self.notice_at: Optional[float] = None  # when it came (monotonic)
         self.last_called: Optional[float] = None  # when the last step was called (monotonic)
@@ -413,13 +411,18 @@ class Watchdog:
         while True:
             with self._lock:
                 poll = min(1.0, max(0.05, (self.timeout or 1.0) / 20))
-            self._wake.wait(poll)
+            time.sleep(poll)
             late = self.overdue()
             if late is not None:
                 self.fire(late)
             if self.unanswered():
                 self.give_up_preemption()
             self.ledger.set_deadline(self.deadline() if self.enabled else 0.0)
+
+    @property
+    def exit_grace(self) -> float:
+        """Seconds a process has to unwind once it is to exit after a preemption notice."""
+        return min(EXIT_GRACE, self.timeout or EXIT_GRACE)
 
     def unanswered(self, now: Optional[float] = None) -> bool:
         """A preemption notice came to this (single) process and no step has begun in the
@@ -429,7 +432,7 @@ class Watchdog:
             notice_at, last, in_call = self.notice_at, self.last_called, self.in_call
         if self.notice is None or notice_at is None or self.distributed or in_call:
             return False
-        return (last is None or last < notice_at) and now - notice_at > min(EXIT_GRACE, self.timeout or EXIT_GRACE)
+        return (last is None or last < notice_at) and now - notice_at > self.exit_grace
 
     def give_up_preemption(self) -> None:  # pragma: no cover - ends the process (tested in a child process)
         """End the process as the signal would have without zerojax's handler (code 128 + signal)."""
@@ -437,7 +440,7 @@ class Watchdog:
         self.ledger.record("preemption notice", self.calls, f"{name}: no step")
         try:
             sys.stderr.write(f"zerojax: {name} received, but no training step began in the "
-                             f"{min(EXIT_GRACE, self.timeout or EXIT_GRACE):.0f} s since, so nothing was saved; "
+                             f"{self.exit_grace:.0f} s since, so nothing was saved; "
                              f"exiting with code {128 + self.notice} as {name} would\n")
             sys.stderr.flush()
             sys.stdout.flush()
@@ -594,9 +597,13 @@ def record(event: str, step: Optional[int] = None, detail: str = "") -> None:
     """Add an event to this process's ledger, if it has a watchdog (nothing is made for it)."""
     dog = _WATCHDOG
     if dog is not None:
-        if step is None:  # a batch is placed for the step to come; anything else belongs to the last one
-            step = dog.calls + (event in ("batch check", "batch placed"))
-        dog.record(event, step, detail)
+        dog.record(event, _step_of(dog, event) if step is None else step, detail)
+
+
+def _step_of(dog: Watchdog, what: str) -> int:
+    """The step an event or an armed block belongs to: a batch is placed for the step to come,
+    anything else belongs to the last step called."""
+    return dog.calls + (what in ("batch", "batch check", "batch placed"))
 
 
 class armed:
@@ -607,8 +614,8 @@ class armed:
         self.dog = _WATCHDOG
 
     def __enter__(self):
-        if self.dog is not None and self.dog.enabled:  # a batch is placed for the step to come
-            self.dog.arm(self.what, self.dog.calls + (self.what == "batch"))
+        if self.dog is not None and self.dog.enabled:
+            self.dog.arm(self.what, _step_of(self.dog, self.what))
         return self
 
     def __exit__(self, *exc):
@@ -686,11 +693,8 @@ class WatchedStep(StepWrapper):
                   file=sys.stderr, flush=True)
         # once the interpreter is exiting (not while a script that caught the SystemExit goes on), its
         # shutdown (jax.distributed's among it) gets EXIT_GRACE seconds before the process ends with 75
-        atexit.register(dog.arm, "exit", n, min(EXIT_GRACE, dog.timeout))
+        atexit.register(dog.arm, "exit", n, dog.exit_grace)
         raise SystemExit(PREEMPTED_EXIT)
-
-    def lower(self, state, batch):
-        return self.step.lower(state, batch)
 
     def close(self) -> None:
         self.dog.record("closed", self.dog.calls)

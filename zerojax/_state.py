@@ -11,6 +11,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import zerojax._placement as placement
+from zerojax._errors import StateError
 from zerojax.config import ZeroConfig
 from zerojax._init_rule import abstract_params, split_params_or_init
 from zerojax._low_precision import opt_for_storage
@@ -181,8 +182,17 @@ def abstract_train_state(params_or_init, tx: optax.GradientTransformation, *, me
     )
 
 
+def check_params_held(state: TrainState, doing: str) -> None:
+    """A StateError where ``state.params`` holds only shapes (``offload_param="nvme"``)."""
+    if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree_util.tree_leaves(state.params)):
+        raise StateError(f"{doing}: state.params holds only the params' shapes; with offload_param='nvme' the "
+                         "params live in files under nvme_path. Fix: read them with step.full_params() (the step "
+                         "that trains this state)")
+
+
 def unshard_params(state: TrainState, dtype=None):
     """Logical params (unpadded) gathered by XLA; dtype defaults to the user's original dtypes."""
+    check_params_held(state, "unshard_params")
     plan = state.plan
     master_layout = state.master is not None  # (fp32: no master; nvme, zenflow: the step keeps it)
     src = state.master if master_layout else state.params

@@ -105,7 +105,7 @@ def refusal(cell: Cell) -> Optional[str]:
     """The key a cell's ConfigError must name, or None where the cell trains."""
     if cell.stage == 0 and cell.optimizer is not None:  # offload moves the partitioned optimizer state
         return "zero_optimization.offload_optimizer.device"
-    if cell.param == "nvme":  # params are not streamed from NVMe: refused, not read as "cpu"
+    if cell.param == "nvme" and cell.optimizer != "nvme":  # params on NVMe live in the NVMe optimizer's files
         return "zero_optimization.offload_param.device"
     if cell.optimizer == "nvme" and cell.precision == "fp16":  # the NVMe step has no loss scaler
         return "offload_optimizer"
@@ -129,7 +129,10 @@ def train(cell: Cell, nvme_dir: str) -> Run:
             state, metrics = step(state, batch)
             losses.append(float(metrics["loss"]))
         state = step.finish(state)
-    params = [np.asarray(x, np.float32) for x in placement.params_logical(state.plan, state.params)]
+        if cell.param == "nvme":  # the state holds the params' shapes; the params are in files
+            params = [np.asarray(x, np.float32) for x in jax.tree_util.tree_leaves(step.full_params())]
+        else:
+            params = [np.asarray(x, np.float32) for x in placement.params_logical(state.plan, state.params)]
     return Run(state, params, losses)
 
 
@@ -157,7 +160,9 @@ def check_cell(cell: Cell, tmp_path) -> None:
     # the params live where the config put them
     leaves = jax.tree_util.tree_leaves(run.state.params)
     kinds = {x.sharding.memory_kind for x in leaves}
-    if cell.param == "cpu":
+    if cell.param == "nvme":  # nothing of the params in memory between steps: shapes only
+        assert all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves), f"{cell.id}: params held in memory"
+    elif cell.param == "cpu":
         assert kinds == {"pinned_host"}, f"{cell.id}: offload_param cpu, but params in {kinds}"
         assert zj.memory_report(run.state).by_part["params"].get("device", 0) == 0
     else:
@@ -204,8 +209,9 @@ QUICK = [Cell(3, "nvme", "cpu"), Cell(3, None, "cpu"), Cell(3, "nvme", "nvme"), 
 def test_the_cells_cover_the_grid():
     assert len(GRID) == 2 * (3 * 3 + 3 * 3)  # x precision: stages 0-2 x optimizer; stage 3: optimizer x param
     assert set(QUICK) <= set(GRID)
-    # refused: optimizer offload at stage 0 (4), params on NVMe (6); the other 26 train
-    assert sum(refusal(c) is None for c in GRID) == 26
+    # refused: optimizer offload at stage 0 (4), params on NVMe without the NVMe optimizer (4); the
+    # other 28 train
+    assert sum(refusal(c) is None for c in GRID) == 28
 
 
 @pytest.mark.parametrize("cell", QUICK, ids=[c.id for c in QUICK])

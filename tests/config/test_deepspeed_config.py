@@ -268,7 +268,7 @@ INVALID = [
     ({**B, "zero_optimization": {**Z3, "offload_optimizer": {"device": "nvme"}}}, None, None,
      "offload_optimizer.nvme_path"),
     ({**B, "zero_optimization": {**Z3, "offload_param": {"device": "nvme", "nvme_path": "/x"}}}, None, None,
-     r"offload_param\.device='nvme'.*Fix: use \"cpu\""),
+     r"offload_param\.device='nvme'.*needs offload_optimizer \"nvme\".*Fix: set offload_optimizer"),
     ({**B, "zero_optimization": {"stage": 2, "cpu_offload": True, "offload_optimizer": CPU}}, None, None,
      "zero_optimization.cpu_offload and zero_optimization.offload_optimizer are both given"),
     ({**B, "zero_optimization": {"prefetch_bucket_size": 1, "stage3_prefetch_bucket_size": 2}}, None, None,

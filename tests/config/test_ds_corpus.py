@@ -8,9 +8,9 @@ explicit values). The expectation per file:
 
 * DeepSpeed accepts it: it trains on 8 devices (finite loss, step counter 3), except that a
   DeepSpeed-only optimizer (OneBitAdam, OneBitLamb, ZeroOneAdam) is refused with a
-  ConfigError naming the optimizer, and params offloaded to NVMe at stage 3
-  (``offload_param.device`` "nvme": zerojax keeps offloaded params in host memory) with one
-  naming ``zero_optimization.offload_param.device``; a file with AutoTP (``tensor_parallel``) trains on the
+  ConfigError naming the optimizer, and params offloaded to NVMe at stage 3 without the
+  optimizer there too (``offload_param.device`` "nvme": the params live in the NVMe optimizer's
+  files) with one naming ``zero_optimization.offload_param.device``; a file with AutoTP (``tensor_parallel``) trains on the
   ("data", "model") mesh zj.initialize builds for it;
 * DeepSpeed rejects it: zj.initialize raises a ConfigError.
 
@@ -63,20 +63,24 @@ def _refusal(cfg: dict):
         return str(opt["type"])
     zero = cfg.get("zero_optimization")
     param = zero.get("offload_param") if isinstance(zero, dict) else None
-    if isinstance(param, dict) and param.get("device") == "nvme" and zero.get("stage") == 3:
+    opt_block = zero.get("offload_optimizer") if isinstance(zero, dict) else None
+    if isinstance(param, dict) and param.get("device") == "nvme" and zero.get("stage") == 3 and not (
+            isinstance(opt_block, dict) and opt_block.get("device") == "nvme"):
         return "zero_optimization.offload_param.device"
     return None
 
 
 def _with_nvme_dir(cfg: dict, directory: pathlib.Path):
-    """A copy with every offload block's nvme_path set to ``directory``, or None if it has none."""
+    """A copy with every offload block's nvme_path set to a directory under ``directory`` (one per
+    distinct path of the file), or None if it has none."""
     zero = cfg.get("zero_optimization")
     blocks = [k for k, v in zero.items() if isinstance(v, dict) and "nvme_path" in v] if isinstance(zero, dict) else []
     if not blocks:
         return None
     cfg = copy.deepcopy(cfg)
+    distinct = sorted({str(cfg["zero_optimization"][key]["nvme_path"]) for key in blocks})
     for key in blocks:
-        cfg["zero_optimization"][key]["nvme_path"] = str(directory / key)
+        cfg["zero_optimization"][key]["nvme_path"] = str(directory / f"nvme{distinct.index(str(cfg['zero_optimization'][key]['nvme_path']))}")
     return cfg
 
 

@@ -78,6 +78,9 @@ KEY_VALUES = {
     "zero_optimization.offload_param.device": ("cpu", "cpu"),
     "zero_optimization.offload_optimizer.nvme_path": ("/nvme", "/nvme"),
     "zero_optimization.offload_param.nvme_path": ("/nvme", "/nvme"),
+    "zero_optimization.offload_param.buffer_count": (4, 4),
+    "zero_optimization.offload_param.buffer_size": (1e6, 10**6),
+    "zero_optimization.offload_param.max_in_cpu": (2e6, 2 * 10**6),
     "zero_optimization.offload_optimizer.pin_memory": (False, False),
     "zero_optimization.offload_param.pin_memory": (False, False),
     "zero_optimization.offload_optimizer.ratio": (0.25, 0.25),
@@ -187,12 +190,12 @@ RULE_CASES = [  # (ZeroConfig kwargs, DeepSpeed zero_optimization block, field a
      "nvme_path", "zero_optimization.offload_optimizer.nvme_path"),
     (dict(stage=3, offload_optimizer="nvme"), {"stage": 3, "offload_optimizer": {"device": "nvme"}},
      "nvme_path", "zero_optimization.offload_optimizer.nvme_path"),
-    # params are not streamed from NVMe: refused by name, with or without nvme_path
+    # params on NVMe live in the NVMe optimizer's files: refused by name without it
     (dict(stage=3, offload_param="nvme"), {"stage": 3, "offload_param": {"device": "nvme"}},
      "offload_param", "zero_optimization.offload_param.device"),
-    (dict(stage=3, offload_param="nvme", offload_optimizer="nvme", nvme_path="/x"),
+    (dict(stage=3, offload_param="nvme", offload_optimizer="cpu", nvme_path="/x"),
      {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/x"},
-      "offload_optimizer": {"device": "nvme", "nvme_path": "/x"}},
+      "offload_optimizer": {"device": "cpu"}},
      "offload_param", "zero_optimization.offload_param.device"),
     (dict(stage=2, offload_optimizer="cpu", offload_ratio=0.5),
      {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}, "offload_ratio",
@@ -238,17 +241,23 @@ def test_offload_param_below_stage_3_is_an_error_by_hand_and_ignored_from_a_file
     assert "needs ZeRO stage 3 (ZeroConfig.stage is 2): parameters are offloaded only with ZeRO-3" in str(direct.value)
 
 
-def test_offload_param_nvme_is_refused_naming_the_key_and_the_cpu_alternative():
+def test_offload_param_nvme_needs_the_nvme_optimizer_and_says_so():
     for make in (lambda: ZeroConfig(stage=3, offload_param="nvme", nvme_path="/x"),
                  lambda: ZeroConfig(stage=3, offload_param="cpu").replace(offload_param="nvme", nvme_path="/x")):
         with pytest.raises(ConfigError) as direct:
             make()
-        assert str(direct.value).startswith("ZeroConfig.offload_param='nvme' is not supported")
-        assert 'Fix: use "cpu"' in str(direct.value)
+        assert str(direct.value).startswith("ZeroConfig.offload_param='nvme' needs offload_optimizer \"nvme\"")
+        assert 'Fix: set offload_optimizer to "nvme"' in str(direct.value)
     with pytest.raises(ConfigError) as read:
         load({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/x"}}})
     assert "zero_optimization.offload_param.device='nvme' (ZeroConfig.offload_param)" in str(read.value)
-    assert 'Fix: use "cpu"' in str(read.value)
+    # ZeRO-Infinity's config (both on NVMe) is accepted, with DeepSpeed's read-ahead keys
+    cfg = load({"zero_optimization": {"stage": 3,
+                                      "offload_param": {"device": "nvme", "nvme_path": "/x", "buffer_count": 4,
+                                                        "buffer_size": 1e6, "max_in_cpu": 2e6},
+                                      "offload_optimizer": {"device": "nvme", "nvme_path": "/x"}}})
+    assert (cfg.offload_param, cfg.offload_optimizer, cfg.offload_param_buffer_count,
+            cfg.offload_param_buffer_size, cfg.offload_param_max_in_cpu) == ("nvme", "nvme", 4, 10**6, 2 * 10**6)
 
 
 def test_fp16_and_bf16_together_is_one_message_naming_both_keys():

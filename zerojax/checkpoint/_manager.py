@@ -27,7 +27,7 @@ from zerojax.checkpoint._format import (DATA, META, MISMATCH, SAFETENSORS_16BIT,
 from zerojax.checkpoint._integrity import portable, seal
 from zerojax.checkpoint._steps import _scan, partial_dirs, pick_step, read_data, read_meta, read_state
 from zerojax._errors import CheckpointError, ConfigError, ZeroJaxError, ZeroJaxWarning
-from zerojax._state import TrainState
+from zerojax._state import TrainState, check_params_held
 from zerojax.runtime import _watchdog
 
 __all__ = ["LATEST_INTACT", "CheckpointManager", "intact_steps", "restore"]
@@ -243,6 +243,7 @@ class CheckpointManager:
         if data_state is not None and not isinstance(data_state, dict):
             raise CheckpointError(f"save(step={step}): data_state must be a dict, got {type(data_state).__name__}")
         step = int(step)
+        check_params_held(state, f"save(step={step})")
         data_state = portable(dict(data_state or {}), f"save(step={step}): data_state")
         self._settle(clean=True)  # the previous write first: its failure is its own, not this step's
         if step in self.all_steps():

@@ -257,7 +257,8 @@ def zero_fields(zo, v: Verdicts) -> tuple[dict, dict]:
         given = read_block(zo[name], table, bpath, v) if zo.get(name) is not None else {}
         values, where, refused = fields_of(given, bpath, v)
         blocks[name] = (values, where, given)
-        own = ("offload_optimizer", "offload_ratio") if name == "offload_optimizer" else ("offload_param",)
+        own = ("offload_optimizer", "offload_ratio") if name == "offload_optimizer" else (
+            "offload_param", "offload_param_buffer_count", "offload_param_buffer_size", "offload_param_max_in_cpu")
         for f in own:
             fields[f], paths[f] = values[f], where[f]
         bad |= refused & set(own)
@@ -269,6 +270,8 @@ def zero_fields(zo, v: Verdicts) -> tuple[dict, dict]:
             fields[rule.field] = FIELDS[rule.field].default
             if rule.field == "offload_param":
                 blocks["offload_param"] = ({}, {}, {})
+                for f in ("offload_param_buffer_count", "offload_param_buffer_size", "offload_param_max_in_cpu"):
+                    fields[f] = FIELDS[f].default
     # nvme_path and pin_memory: one ZeroConfig field for both blocks, from the blocks in use
     active = [n for n in ("offload_optimizer", "offload_param") if fields[n] is not None]
     for key in ("nvme_path", "pin_memory"):

@@ -142,17 +142,7 @@ OFFLOAD_OPTIMIZER: dict = {
     "super_offload": _ignored(False, boolean, "a DeepSpeed Superchip CPU-Adam mode"),
     "cpuadam_cores_perc": _ignored(0.8, number(0, 1), "the host update uses XLA's CPU threads"),
 }
-_PARAM_BUFFERS = "DeepSpeed's buffers for params on NVMe; zerojax refuses device \"nvme\" here"
-OFFLOAD_PARAM: dict = {
-    **_fields_under("zero_optimization.offload_param"),
-    "buffer_count": _ignored(5, integer(0), _PARAM_BUFFERS),
-    "buffer_size": _ignored(100_000_000, integer(0), _PARAM_BUFFERS),
-    "max_in_cpu": _ignored(1_000_000_000, integer(0), _PARAM_BUFFERS),
-}
-# "nvme" is read and then refused by the schema's rule (PARAM_NVME): the table says so
-OFFLOAD_PARAM["device"] = dataclasses.replace(
-    OFFLOAD_PARAM["device"], why='"none" or "cpu"; "nvme" is refused (params are not streamed from NVMe): use '
-                                '"cpu", with offload_optimizer "nvme" for the optimizer state in files')
+OFFLOAD_PARAM: dict = _fields_under("zero_optimization.offload_param")
 
 
 def _auto_or_int(v):

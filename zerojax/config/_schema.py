@@ -291,9 +291,19 @@ FIELDS: dict[str, FieldSpec] = {f.name: f for f in (
     # offload
     FieldSpec("offload_optimizer", None, device, 'use None, "cpu" or "nvme"', (f"{_OO}.device",),
               deepspeed_default="none"),
-    FieldSpec("offload_param", None, device, 'use None or "cpu"', (f"{_OP}.device",),
+    FieldSpec("offload_param", None, device, 'use None, "cpu" or "nvme"', (f"{_OP}.device",),
               deepspeed_default="none", stage3_only=True,
-              doc='"nvme" is refused (PARAM_NVME): zerojax keeps offloaded params in host memory'),
+              doc='"nvme" (ZeRO-Infinity) keeps the 16-bit params in the NVMe optimizer store\'s files: it needs '
+                  'offload_optimizer "nvme"'),
+    FieldSpec("offload_param_buffer_count", 5, integer(1), "use a count of buffers >= 1, e.g. 5",
+              (f"{_OP}.buffer_count",),
+              doc="with offload_param \"nvme\": buffer_count x buffer_size elements of params are read ahead "
+                  "into host memory at most"),
+    FieldSpec("offload_param_buffer_size", 100_000_000, integer(1), "use a number of elements >= 1, e.g. 1e8",
+              (f"{_OP}.buffer_size",), doc="elements per read-ahead buffer (see buffer_count)"),
+    FieldSpec("offload_param_max_in_cpu", 1_000_000_000, integer(0), "use a number of elements, e.g. 1e9",
+              (f"{_OP}.max_in_cpu",),
+              doc="caps the read-ahead (elements of params in host memory at once); 0 reads each part when asked"),
     FieldSpec("nvme_path", None, optional(string), 'set a directory on a local NVMe drive, e.g. "/local_nvme"',
               (f"{_OO}.nvme_path", f"{_OP}.nvme_path")),
     FieldSpec("pin_memory", True, boolean, "use true or false", (f"{_OO}.pin_memory", f"{_OP}.pin_memory")),
@@ -397,8 +407,8 @@ LOW_PRECISION_RULES = (
          lambda v, n: f"has nothing to round: {n('master_weights_dtype')} is off, so the update is stored in the "
                       "fp32 master", 'set master_weights_dtype "bfloat16", or remove it'),
 )
-PARAM_NVME = ("is not supported: zerojax does not stream parameters from NVMe; offloaded params live in host "
-              "memory, so \"nvme\" would train from host memory and write nothing under nvme_path")
+PARAM_NVME = ("needs offload_optimizer \"nvme\": the params live in the NVMe optimizer store's files, beside "
+              "the fp32 master and Adam moments, and the store writes them back after each update")
 NONTRAINABLE = ("zerojax has no frozen leaves to store quantized (every leaf of the params tree gets a gradient "
                 "and an optimizer update), so every weight is stored at full width")
 
@@ -411,13 +421,11 @@ RULES: tuple = (
     Rule("offload_optimizer", ("stage",), lambda v: v["offload_optimizer"] is not None and v["stage"] == 0,
          lambda v, n: f"needs ZeRO stage 1, 2 or 3 ({n('stage')} is 0): offload moves the partitioned "
                       "optimizer state", "set stage to 1 or higher"),
-    # ZeRO-Infinity's param offload to NVMe: zerojax keeps offloaded params in host memory and
-    # does not stream them from files, so "nvme" would train from host memory and write nothing
-    # under nvme_path; refused by name rather than silently read as "cpu"
-    Rule("offload_param", (), lambda v: v["offload_param"] == "nvme", lambda v, n: PARAM_NVME,
-         'use "cpu" (params in pinned host memory); offload_optimizer "nvme" still keeps the optimizer state in '
-         "files under nvme_path (ZeRO-Infinity's layout apart from the params)"),
-    # (only the optimizer state goes to NVMe: offload_param "nvme" is refused above)
+    # ZeRO-Infinity's params on NVMe live in the NVMe optimizer store's slots (zerojax.offload._nvme_params)
+    Rule("offload_param", ("offload_optimizer",),
+         lambda v: v["offload_param"] == "nvme" and v["offload_optimizer"] != "nvme", lambda v, n: PARAM_NVME,
+         'set offload_optimizer to "nvme" too (DeepSpeed\'s ZeRO-Infinity config), or use offload_param "cpu" '
+         "(params in pinned host memory)"),
     Rule("nvme_path", ("offload_optimizer",),
          lambda v: not v["nvme_path"] and v["offload_optimizer"] == "nvme",
          lambda v, n: f"is missing: offloading to \"nvme\" ({n('offload_optimizer')}) needs a directory",

@@ -66,7 +66,10 @@ class ZeroConfig:
     sub_group_size: int = _D["sub_group_size"]
     # --- offload --------------------------------------------------------------------
     offload_optimizer: Optional[str] = _D["offload_optimizer"]  # None | "cpu" | "nvme"
-    offload_param: Optional[str] = _D["offload_param"]  # None | "cpu"; stage 3 only ("nvme" is refused)
+    offload_param: Optional[str] = _D["offload_param"]  # None | "cpu" | "nvme" (with offload_optimizer "nvme"); stage 3
+    offload_param_buffer_count: int = _D["offload_param_buffer_count"]  # nvme params: read-ahead buffers
+    offload_param_buffer_size: int = _D["offload_param_buffer_size"]  # elements each
+    offload_param_max_in_cpu: int = _D["offload_param_max_in_cpu"]  # elements of params in host memory at most
     nvme_path: Optional[str] = _D["nvme_path"]
     pin_memory: bool = _D["pin_memory"]
     offload_ratio: float = _D["offload_ratio"]

@@ -28,7 +28,10 @@ a failed step had already written to ``out16`` must be discarded by the caller.
 
 Layout of a slot: master, m and v (fp32) one after the other, each ``num_elements``
 long, so the layout does not depend on ``sub_group_size`` (a store may be reopened with
-another) and a step streams through three sequential regions.
+another) and a step streams through three sequential regions. With ``params_dtype`` (the
+16-bit params of ZeRO-Infinity, ``offload_param="nvme"``) a fourth region follows: the params
+in that dtype, written by the step beside the state they were computed from, so the committed
+marker names params and optimizer state of the same step; :meth:`read_params` reads them.
 """
 from __future__ import annotations
 
@@ -99,12 +102,12 @@ def _validate_dir(path: str) -> None:
                         "a writable one", e.errno or _errno.EACCES) from e
 
 
-def _validate_space(path: str, need_bytes: int) -> None:
+def _validate_space(path: str, need_bytes: int, per_element: int = 12) -> None:
     st = os.statvfs(path)
     free = st.f_bavail * st.f_frsize
     if free < need_bytes:
         raise NvmeError(path, f"needs {need_bytes / 2**30:.2f} GiB more free space (two "
-                        f"slots of 12 bytes per element) but has {free / 2**30:.2f} GiB",
+                        f"slots of {per_element} bytes per element) but has {free / 2**30:.2f} GiB",
                         "free space, use a larger drive or offload fewer parameters",
                         _errno.ENOSPC)
 
@@ -123,25 +126,30 @@ class NvmeOptimizerStore:
         consistent after a process crash, not after a power loss).
       drop_page_cache: advise the kernel to drop the file pages after use, so the
         state does not crowd the page cache.
+      params_dtype: keep the params in this (16-bit) dtype in the slots too: ``init`` writes
+        them, each ``step`` writes the updated ones (instead of into ``out16``) and
+        :meth:`read_params` reads the committed ones.
 
     An existing committed state of the same size under ``path`` is resumed.
     """
 
     def __init__(self, path: str, num_elements: int, sub_group_size: int, *,
                  optimizer: Optional[HostAdamW] = None, fsync: bool = True,
-                 drop_page_cache: bool = False):
+                 drop_page_cache: bool = False, params_dtype=None):
         if num_elements < 1 or sub_group_size < 1:
             raise ConfigError(f"NvmeOptimizerStore: num_elements={num_elements} and "
                              f"sub_group_size={sub_group_size} must both be >= 1.")
         self.path = os.fspath(path)
         self.num_elements, self.sub_group_size = int(num_elements), int(sub_group_size)
-        self.slot_bytes = 12 * self.num_elements
+        self.params_dtype = None if params_dtype is None else np.dtype(params_dtype)
+        self.per_element = 12 + (0 if self.params_dtype is None else self.params_dtype.itemsize)
+        self.slot_bytes = self.per_element * self.num_elements
         self._marker = os.path.join(self.path, _MARKER)
         _validate_dir(self.path)
         resume = self._read_marker_if_present()
         have = sum(os.path.getsize(self._slot_file(k)) for k in (0, 1)
                    if os.path.exists(self._slot_file(k)))
-        _validate_space(self.path, max(0, 2 * self.slot_bytes - have))
+        _validate_space(self.path, max(0, 2 * self.slot_bytes - have), self.per_element)
         self._owns_optimizer = optimizer is None
         self.optimizer = optimizer if optimizer is not None else HostAdamW()
         self.fsync, self.drop_page_cache = bool(fsync), bool(drop_page_cache)
@@ -152,6 +160,7 @@ class NvmeOptimizerStore:
         # Three (3, sub_group) buffers: read-ahead, update, write-behind.
         rows = min(self.sub_group_size, self.num_elements)
         self._bufs = [np.empty((3, rows), np.float32) for _ in range(3)]
+        self._bufs16 = [None if self.params_dtype is None else np.empty(rows, self.params_dtype) for _ in range(3)]
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="nvme-read")
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="nvme-write")
 
@@ -175,7 +184,10 @@ class NvmeOptimizerStore:
                     writes[i - 3].result()
                 np.copyto(buf[0, :b - a], params_flat[a:b], casting="same_kind")
                 buf[1:, :b - a] = 0
-                writes.append(self._writer.submit(self._write_group, dst, i, buf))
+                buf16 = self._bufs16[i % 3]
+                if buf16 is not None:
+                    buf16[:b - a] = buf[0, :b - a]
+                writes.append(self._writer.submit(self._write_group, dst, i, buf, buf16))
             self._wait(writes)
             if self.fsync:
                 os.fsync(self._fds[dst])
@@ -194,6 +206,9 @@ class NvmeOptimizerStore:
                                "step(); there is no committed state yet.")
         self._check_size(grads_flat, "grads_flat")
         if out16 is not None:
+            if self.params_dtype is not None:
+                raise ConfigError("NvmeOptimizerStore.step: this store keeps the params itself "
+                                  "(params_dtype); leave out16 out and read them with read_params().")
             self._check_size(out16, "out16")
         src, dst, g = self._slot, 1 - self._slot, self.num_groups
         reads: list = [self._reader.submit(self._read_group, src, 0, self._bufs[0])]
@@ -209,10 +224,11 @@ class NvmeOptimizerStore:
                                                      self._bufs[(i + 1) % 3]))
                 a, b = self._bounds(i)
                 k = b - a
+                buf16 = self._bufs16[i % 3]
                 self.optimizer.step(buf[0, :k], grads_flat[a:b], buf[1, :k], buf[2, :k],
                                     count, lr=lr, grad_scale=grad_scale,
-                                    out16=None if out16 is None else out16[a:b])
-                writes.append(self._writer.submit(self._write_group, dst, i, buf))
+                                    out16=buf16[:k] if buf16 is not None else None if out16 is None else out16[a:b])
+                writes.append(self._writer.submit(self._write_group, dst, i, buf, buf16))
             self._wait(writes)
             if self.fsync:
                 os.fsync(self._fds[dst])
@@ -243,6 +259,26 @@ class NvmeOptimizerStore:
 
     def read_master(self, out: Optional[np.ndarray] = None) -> np.ndarray:
         return self.read("master", out)
+
+    def read_params(self, start: int, out: np.ndarray) -> np.ndarray:
+        """The committed params ``[start, start + out.size)`` into ``out``: the ``params_dtype``
+        region, or the fp32 master where the store has none. Safe beside a running step, which
+        writes only the other slot; a failing read raises :class:`NvmeError`."""
+        if self._slot is None:
+            raise ConfigError(f"NvmeOptimizerStore({self.path!r}): nothing committed yet; "
+                              "call init(params) first.")
+        want = np.float32 if self.params_dtype is None else self.params_dtype
+        if out.dtype != want or start < 0 or start + out.size > self.num_elements:
+            raise ConfigError(f"NvmeOptimizerStore.read_params: [{start}, {start + out.size}) of "
+                              f"{np.dtype(out.dtype).name} is outside the {self.num_elements} params "
+                              f"of {np.dtype(want).name} the store holds.")
+        base = 0 if self.params_dtype is None else 12 * self.num_elements
+        try:
+            _pread_into(self._fds[self._slot], memoryview(out.reshape(-1).view(np.uint8)),
+                        base + out.itemsize * start)
+        except OSError as e:
+            raise self._io_error(e, "reading", "the params") from e
+        return out
 
     @property
     def num_groups(self) -> int:
@@ -277,36 +313,40 @@ class NvmeOptimizerStore:
             raise ConfigError(f"NvmeOptimizerStore: {name} has shape {np.shape(x)}; expected "
                              f"a flat array of {self.num_elements} elements.")
 
-    def _group_view(self, i: int, buf: np.ndarray):
-        """(bytes of buffer row r, file offset) for master, m and v of sub-group i."""
+    def _group_view(self, i: int, buf: np.ndarray, buf16=None):
+        """(bytes of buffer row r, file offset) for master, m and v of sub-group i (and the
+        params, where ``buf16`` holds them)."""
         a, b = self._bounds(i)
         n = self.num_elements
-        return [(memoryview(buf[r, :b - a]).cast("B"), 4 * (r * n + a)) for r in range(3)]
+        views = [(memoryview(buf[r, :b - a]).cast("B"), 4 * (r * n + a)) for r in range(3)]
+        if buf16 is not None:
+            views.append((memoryview(buf16[:b - a].view(np.uint8)), 12 * n + buf16.itemsize * a))
+        return views
 
     def _read_group(self, slot: int, i: int, buf: np.ndarray) -> None:
         self._transfer(slot, i, buf, _pread_into, "reading")
 
-    def _write_group(self, slot: int, i: int, buf: np.ndarray) -> None:
-        self._transfer(slot, i, buf, _pwrite_all, "writing")
+    def _write_group(self, slot: int, i: int, buf: np.ndarray, buf16=None) -> None:
+        self._transfer(slot, i, buf, _pwrite_all, "writing", buf16)
 
-    def _transfer(self, slot: int, i: int, buf: np.ndarray, io, doing: str) -> None:
+    def _transfer(self, slot: int, i: int, buf: np.ndarray, io, doing: str, buf16=None) -> None:
         fd = self._fds[slot]
         try:
-            for mv, off in self._group_view(i, buf):
+            for mv, off in self._group_view(i, buf, buf16):
                 io(fd, mv, off)
                 if self._drop:
                     os.posix_fadvise(fd, off, len(mv), os.POSIX_FADV_DONTNEED)
         except OSError as e:
             raise self._io_error(e, doing) from e
 
-    def _io_error(self, e: OSError, doing: str) -> NvmeError:
+    def _io_error(self, e: OSError, doing: str, what: str = "optimizer state") -> NvmeError:
         if isinstance(e, NvmeError):
             return e
-        fix = ("free space on the drive (each step needs the second slot, 12 bytes per "
+        fix = (f"free space on the drive (each step needs the second slot, {self.per_element} bytes per "
                "element) and retry the step; the last committed step is intact"
                if e.errno in (_errno.ENOSPC, _errno.EDQUOT) else
                "check the drive (dmesg, smartctl) and retry; the last committed step is intact")
-        return NvmeError(self.path, f"{doing} optimizer state failed: "
+        return NvmeError(self.path, f"{doing} {what} failed: "
                          f"{e.strerror or e}", fix, e.errno or 0)
 
     @staticmethod
@@ -329,6 +369,10 @@ class NvmeOptimizerStore:
             raise NvmeError(self.path, f"the {_MARKER} marker cannot be read ({e})",
                             "restore it from a backup or delete the directory's contents "
                             "to start afresh") from e
+        if marker.get("params_dtype", None) != (None if self.params_dtype is None else self.params_dtype.name):
+            raise NvmeError(self.path, f"holds a state with params_dtype {marker.get('params_dtype')}, "
+                            f"not {None if self.params_dtype is None else self.params_dtype.name}",
+                            "use another directory, or delete this one to start afresh")
         if marker.get("num_elements") != self.num_elements:
             raise NvmeError(self.path, f"holds a state of {marker.get('num_elements')} "
                             f"elements, not {self.num_elements}",
@@ -337,8 +381,10 @@ class NvmeOptimizerStore:
 
     def _commit(self, slot: int, count: int) -> None:
         tmp = self._marker + ".tmp"
+        pdt = None if self.params_dtype is None else self.params_dtype.name
         data = json.dumps({"slot": slot, "count": count, "num_elements": self.num_elements,
-                           "layout": "master, m, v: fp32, num_elements each"})
+                           "params_dtype": pdt,
+                           "layout": "master, m, v: fp32, num_elements each" + (f"; params: {pdt}" if pdt else "")})
         try:
             with open(tmp, "w") as f:
                 f.write(data)

@@ -9,6 +9,12 @@ whole state, so a state larger than host memory trains.
 
 ``MemoryAdamW`` is the same step with the state in host memory (``HostAdamW`` over flat
 buffers); the NVMe step's results equal it bitwise.
+
+With ``offload_param="nvme"`` (ZeRO-Infinity) the 16-bit params live in the same files
+(:mod:`zerojax.offload._nvme_params`): each device reads its part of each param inside the step,
+the store writes the updated params beside the optimizer state, and the TrainState the step
+returns holds the params' shapes only (``jax.ShapeDtypeStruct``); :meth:`HostLoopStep.full_params`
+reads them back.
 """
 from __future__ import annotations
 
@@ -22,10 +28,11 @@ import numpy as np
 import zerojax._placement as placement
 from zerojax.runtime import _watchdog
 from zerojax._contract import StepBase
-from zerojax._errors import ConfigError
+from zerojax._errors import ConfigError, StateError
 from zerojax.offload._flat import FlatLayout
 from zerojax.offload._host_rule import HostOptimizer
 from zerojax.offload._nvme import NvmeOptimizerStore, _validate_dir
+from zerojax.offload._nvme_params import DiskLayout, ParamReader, local_devices, params_source
 from zerojax.stages._gradients import grads_fn
 from zerojax._state import TrainState
 from zerojax.update._pipeline import check_gradients, step_metrics
@@ -78,26 +85,57 @@ class HostLoopStep(StepBase):
         self.settings = StepSettings(state.tx, opt)
         self.host_opt = HostOptimizer(opt, self.settings.peek())
         self.cdt = plan.compute_dtype
-        self.layout = FlatLayout.from_tree([jax.ShapeDtypeStruct(lay.shape, np.float32) for lay in plan.leaves])
+        # params on NVMe: the flat order is each leaf's disk layout (split dim first), else the user's shapes
+        self.disk = DiskLayout.of(plan) if cfg.offload_param == "nvme" else None
+        others = {a: k for a, k in plan.mesh.shape.items() if a != plan.data_axis and k > 1}
+        if self.disk is not None and others:
+            raise ConfigError(f"offload_param='nvme' splits each param over the data axis only; the mesh also splits "
+                              f"over {others} (tensor, sequence or pipeline parallelism). Fix: use offload_param "
+                              "'cpu' with those axes, or a mesh of the data axis alone")
+        if self.disk is not None and store != "nvme":
+            raise ConfigError("offload_param='nvme' keeps the params in the NVMe optimizer store's files: "
+                              "use store='nvme'")
+        self.layout = self.disk.flat if self.disk is not None else \
+            FlatLayout.from_tree([jax.ShapeDtypeStruct(lay.shape, np.float32) for lay in plan.leaves])
         n = self.layout.total
         if store == "nvme":
             _validate_dir(cfg.nvme_path)  # missing / not a directory / not writable: a clear error now
             path = os.path.join(cfg.nvme_path, f"zerojax_optimizer_p{jax.process_index()}")
             os.makedirs(path, exist_ok=True)
-            self.store = NvmeOptimizerStore(path, n, int(min(cfg.sub_group_size, n)), optimizer=self.host_opt)
+            params16 = jnp.dtype(self.cdt) if self.disk is not None and self.cdt != jnp.float32 else None
+            self.store = NvmeOptimizerStore(path, n, int(min(cfg.sub_group_size, n)), optimizer=self.host_opt,
+                                            params_dtype=params16)
         elif store == "memory":
             self.store = MemoryAdamW(n, self.host_opt)
         else:
             raise ConfigError(f"store={store!r}: expected 'nvme' or 'memory'")
         self.grads = np.empty(n, jnp.dtype(self.cdt))
-        self.out16 = np.empty(n, jnp.dtype(self.cdt)) if self.cdt != jnp.float32 else None
+        self.out16 = np.empty(n, jnp.dtype(self.cdt)) if self.cdt != jnp.float32 and self.disk is None else None
         self.count = 0
-        self.store.init(self.layout.fill(np.empty(n, np.float32), placement.params_logical(plan, state.params)))
-        compute_grads = grads_fn(loss_fn, plan, has_aux)
+        source, self.reader = None, None
+        if self.disk is None:
+            self.store.init(self.layout.fill(np.empty(n, np.float32), placement.params_logical(plan, state.params)))
+        else:
+            if not any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree_util.tree_leaves(state.params)):
+                self.store.init(self.layout.fill(np.empty(n, np.float32), self._disk_params(state.params)))
+            elif self.store.committed_count is None:
+                raise StateError(f"state.params holds only the params' shapes (offload_param='nvme') and "
+                                 f"{self.store.path} has no committed params to continue from. Fix: make the step "
+                                 "from the state zj.shard_train_state returned, whose params are arrays")
+            else:  # a state a previous step returned: go on from the params committed in the files
+                self.count = int(self.store.committed_count)
+            order = [(i, d) for i in range(len(plan.leaves)) for d in local_devices(plan)]
+            budget = min(cfg.offload_param_buffer_count * cfg.offload_param_buffer_size, cfg.offload_param_max_in_cpu)
+            self.reader = ParamReader(self.store, self.disk, self.cdt, order, budget * jnp.dtype(self.cdt).itemsize)
+            source = params_source(self.disk, self.reader, self.cdt)
+        compute_grads = grads_fn(loss_fn, plan, has_aux, params_source=source)
         def device(params, batch, rng):
             g, loss = compute_grads(params, batch, jnp.float32(1.0), rng)
             checked = check_gradients(cfg, placement.to_update(plan, g), loss)
             leaves = [(x / checked.coef).astype(self.cdt) for x in plan.treedef.flatten_up_to(checked.grads)]
+            if self.disk is not None:  # the gradients in the params' disk layout (zeros where padded)
+                leaves = [self.disk.to_disk(lay, placement.pad(x, lay)) if lay.params_partitioned else x
+                          for lay, x in zip(plan.leaves, leaves)]
             return leaves, loss, checked._replace(grads=None)
 
         def place(leaves):
@@ -106,16 +144,37 @@ class HostLoopStep(StepBase):
         self._device = jax.jit(device)
         self._place = jax.jit(place, out_shardings=plan.param_shardings)
 
+    def _disk_params(self, params) -> list:
+        """The stored params (arrays, in the plan's storage layout) as disk-layout host arrays."""
+        return [np.asarray(jax.jit(lambda x, _lay=lay: self.disk.to_disk(_lay, x))(x))
+                for lay, x in zip(self.plan.leaves, self.plan.treedef.flatten_up_to(params))]
+
+    def _params_in(self, state: TrainState):
+        return None if self.disk is not None else state.params
+
     def lower(self, state: TrainState, batch):
         """The jax Lowered of the device part (gradients, norm, clipping); the update runs on the host."""
         self._check(state, batch)
-        return self._device.lower(state.params, batch, jax.random.fold_in(state.rng, state.step))
+        return self._device.lower(self._params_in(state), batch, jax.random.fold_in(state.rng, state.step))
 
     def __call__(self, state: TrainState, batch):
         self._check(state, batch)
         rng = jax.random.fold_in(state.rng, state.step)
-        grads, loss, checked = self._device(state.params, batch, rng)
-        skip = bool(checked.skip)
+        if self.reader is not None:
+            self.reader.begin()
+            try:
+                grads, loss, checked = self._device(None, batch, rng)
+                skip = bool(checked.skip)
+            except Exception as e:
+                if self.reader.error is not None:  # a failed read of the params' files (NvmeError)
+                    raise self.reader.error from e
+                raise
+            finally:
+                self.reader.end()
+            state = state.replace(params=self.placeholders())
+        else:
+            grads, loss, checked = self._device(state.params, batch, rng)
+            skip = bool(checked.skip)
         hp = self.settings.peek()  # what this step uses, or would have used where skipped
         if not skip:
             self.layout.fill(self.grads, grads)
@@ -125,12 +184,38 @@ class HostLoopStep(StepBase):
             # the caller's state (not donated) is untouched
             self.store.step(self.grads, self.count, lr=float(hp["learning_rate"]), out16=self.out16)
             _watchdog.record("host update", detail="nvme")
-            flat = self.out16 if self.out16 is not None else self.store.read_master()
-            state = state.replace(params=self._place(self.layout.views(flat)))
+            if self.disk is None:
+                flat = self.out16 if self.out16 is not None else self.store.read_master()
+                state = state.replace(params=self._place(self.layout.views(flat)))
         new_state = state.replace(step=state.step + 1)
         metrics = step_metrics(self.cfg, loss, checked, hp["learning_rate"])
         self._report(new_state, metrics)
         return new_state, metrics
+
+    def placeholders(self):
+        """What ``state.params`` holds when the params live in files: their stored shapes,
+        dtypes and shardings, no data."""
+        plan = self.plan
+        return plan.treedef.unflatten([
+            jax.ShapeDtypeStruct(lay.storage_shape if lay.params_partitioned else lay.shape, self.cdt, sharding=s)
+            for lay, s in zip(plan.leaves, plan.treedef.flatten_up_to(plan.param_shardings))])
+
+    def full_params(self, dtype=None):
+        """The params as the user's tree (logical shapes, numpy), read from the files when
+        they live there (``offload_param="nvme"``), else from the fp32 master in the store."""
+        plan = self.plan
+        if self.disk is None:
+            flat = self.store.read_master()
+            leaves = jax.tree_util.tree_leaves(self.layout.views(flat))
+        else:
+            leaves = []
+            for i, lay in enumerate(plan.leaves):
+                whole = np.empty(self.disk.shapes[i], self.store.params_dtype or np.float32)
+                self.store.read_params(self.disk.flat.offsets[i], whole)
+                if lay.params_partitioned:
+                    whole = np.moveaxis(whole, 0, lay.axis)[tuple(slice(0, d) for d in lay.shape)]
+                leaves.append(whole)
+        return plan.treedef.unflatten([np.asarray(x, dtype or lay.dtype) for lay, x in zip(plan.leaves, leaves)])
 
     def master(self) -> np.ndarray:
         """The fp32 master as one flat array (read from the store)."""

@@ -51,9 +51,13 @@ def loss_arity(loss_fn) -> int:
     return 3 if len(positional) >= 3 else 2
 
 
-def grads_fn(loss_fn: Callable, plan: ZeroPlan, has_aux: bool = False, with_sumsq: bool = False):
+def grads_fn(loss_fn: Callable, plan: ZeroPlan, has_aux: bool = False, with_sumsq: bool = False,
+             params_source: Callable | None = None):
     """The data-parallel gradient computation: (params, batch, scale, rng) -> (grads, loss), or
     (grads, loss, sumsq) ``with_sumsq``.
+
+    ``params_source`` (params on NVMe): called inside the body, per device, it returns the
+    device's stored params, which then come from there and not from ``params`` (pass None).
 
     ``grads`` are the mean over the global batch of d(scale·loss)/d(params), laid out as
     ``plan.grad_shardings`` (partitioned from stage 1) and in float32; ``sumsq`` is their
@@ -109,6 +113,8 @@ def grads_fn(loss_fn: Callable, plan: ZeroPlan, has_aux: bool = False, with_sums
     denom = np.float32(n * gas)  # numpy: a constant of the trace, nothing made on a device now
 
     def body(params, batch, scale, rng):
+        if params_source is not None:
+            params = params_source()
         # offload_param: every param reaches the loss in device memory. A partitioned shard is
         # brought over just before its gather (stages/_stage3_values.py), layer by layer; a param
         # kept whole comes over here, once per step, outside the gradient (so its gradient is
@@ -190,7 +196,7 @@ def grads_fn(loss_fn: Callable, plan: ZeroPlan, has_aux: bool = False, with_sums
         if seq_n > 1:  # sequence parallelism: dim 1 of each leaf of rank >= 2 split over "seq"
             batch = split_sequence(batch, plan.mesh, axis, seq_n)
         batch_specs = jax.tree_util.tree_map(lambda _: P(axis), batch)
-        sm = shard_map(body, plan.mesh, in_specs=(param_specs, batch_specs, P(), P()),
+        sm = shard_map(body, plan.mesh, in_specs=(None if params_source else param_specs, batch_specs, P(), P()),
                        out_specs=(grad_specs, P()) + ((P(),) if with_sumsq else ()), manual_axes={axis})
         return sm(params, batch, scale, rng)
 

@@ -1,0 +1,200 @@
+"""Params on NVMe (ZeRO-Infinity, ``offload_param="nvme"``): where each device's part of each
+param sits in the files, and the reader that brings it into the step.
+
+The 16-bit params live in the NVMe optimizer store's slots (:class:`NvmeOptimizerStore` with
+``params_dtype``), in the store's flat order. That order is the *disk layout* of each leaf: a
+param split over the data axis is kept as its stored (padded) array with the split dimension
+moved first, so each device's 1/N is one contiguous range of the file (DeepSpeed's
+bandwidth-centric partitioning: every device reads only its own part, the stage-3 all-gather
+assembles the whole param); a param kept whole (below ``param_persistence_threshold``) is
+kept in its own shape. The fp32 master and Adam moments use the same order, which an
+elementwise update does not mind, so gradients are flattened the same way.
+
+Inside the step each device asks for its part with a host callback (one per param and
+device); a reader thread reads ahead in the order the previous step asked for them, into a host
+buffer bounded by ``offload_param``'s ``buffer_count`` x ``buffer_size`` elements (and
+``max_in_cpu``), so the reads overlap the step's compute. Between steps nothing of the params
+stays in host or device memory.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import threading
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from zerojax._plan import LeafLayout, ZeroPlan
+from zerojax.offload._flat import FlatLayout
+
+__all__ = ["DiskLayout", "ParamReader", "params_source"]
+
+
+@dataclasses.dataclass(frozen=True)
+class DiskLayout:
+    """Per leaf of ``plan``: its shape on disk, and each device's range of it."""
+
+    plan: ZeroPlan
+    shapes: tuple  # per leaf: the disk shape
+    flat: FlatLayout  # offsets of the disk shapes in one flat buffer
+
+    @classmethod
+    def of(cls, plan: ZeroPlan) -> "DiskLayout":
+        shapes = tuple(cls._shape(lay) for lay in plan.leaves)
+        flat = FlatLayout.from_tree([jax.ShapeDtypeStruct(s, np.float32) for s in shapes])
+        return cls(plan, shapes, flat)
+
+    @staticmethod
+    def _shape(lay: LeafLayout) -> tuple:
+        if not lay.params_partitioned:
+            return tuple(lay.shape)
+        s = tuple(lay.storage_shape)
+        return (s[lay.axis],) + s[:lay.axis] + s[lay.axis + 1:]
+
+    def to_disk(self, lay: LeafLayout, stored):
+        """A leaf in the plan's storage layout (padded where split) -> its disk shape."""
+        return jnp.moveaxis(stored, lay.axis, 0) if lay.params_partitioned else stored
+
+    def local_shape(self, i: int) -> tuple:
+        """What one device reads of leaf ``i``: its 1/N rows, or the whole leaf."""
+        s = self.shapes[i]
+        if not self.plan.leaves[i].params_partitioned:
+            return s
+        return (s[0] // self.plan.n,) + s[1:]
+
+    def local_range(self, i: int, device: int) -> tuple:
+        """(first element, element count) of leaf ``i``'s part for data-axis index ``device``."""
+        size = math.prod(self.local_shape(i))
+        off = self.flat.offsets[i]
+        return (off + device * size, size) if self.plan.leaves[i].params_partitioned else (off, size)
+
+    def from_local(self, i: int, local):
+        """A device's part as read (disk order) -> the shard the stage-3 step works on."""
+        lay = self.plan.leaves[i]
+        return jnp.moveaxis(local, 0, lay.axis) if lay.params_partitioned else local
+
+
+class ParamReader:
+    """Each device's part of each param, read from the store's committed slot.
+
+    :meth:`begin` starts a thread reading ahead through ``order`` (pairs of leaf index and
+    data-axis device index) while the buffered bytes stay within ``budget``; :meth:`get`
+    hands over a buffered part or reads it now. :meth:`end` stops the thread and drops what
+    is left, so nothing is held between steps, and takes the order the step asked in as the
+    next step's ``order``. ``reads`` counts the parts read, ``ahead`` those a step found
+    already read.
+    """
+
+    def __init__(self, store, disk: DiskLayout, dtype, order: Sequence[tuple], budget: int):
+        self.store, self.disk, self.dtype = store, disk, np.dtype(dtype)
+        self.order, self.budget = list(order), max(0, int(budget))
+        self._cv = threading.Condition()
+        self._ready: dict = {}
+        self._taken: set = set()
+        self._held = 0
+        self._stop = True
+        self._asked: list = []
+        self._thread: Optional[threading.Thread] = None
+        self.reads = self.ahead = 0
+        self.error: Optional[BaseException] = None  # the first failed read of the step
+
+    def _read(self, key) -> np.ndarray:
+        i, d = key
+        start, size = self.disk.local_range(i, d)
+        out = np.empty(self.disk.local_shape(i), self.dtype)
+        assert out.size == size
+        return self.store.read_params(start, out)
+
+    def begin(self) -> None:
+        self.end()
+        with self._cv:
+            self._ready, self._taken, self._held, self._stop, self._asked = {}, set(), 0, False, []
+            self.error = None
+        if self.budget and self.order:
+            self._thread = threading.Thread(target=self._ahead, name="nvme-params", daemon=True)
+            self._thread.start()
+
+    def _ahead(self) -> None:
+        for key in self.order:
+            size = math.prod(self.disk.local_shape(key[0])) * self.dtype.itemsize
+            with self._cv:
+                # wait for room (a part larger than the budget is read when the buffer is empty)
+                self._cv.wait_for(lambda: self._stop or key in self._taken or self._held == 0
+                                  or self._held + size <= self.budget)
+                if self._stop:
+                    return
+                if key in self._taken:
+                    continue
+            try:
+                x = self._read(key)
+            except Exception:  # the step's own read reports the error where it is needed
+                return
+            with self._cv:
+                if self._stop:
+                    return
+                if key not in self._taken:
+                    self._ready[key] = x
+                    self._held += x.nbytes
+                    self._cv.notify_all()
+
+    def get(self, i, device) -> np.ndarray:
+        key = (int(i), int(device))
+        with self._cv:
+            x = self._ready.pop(key, None)
+            self._taken.add(key)
+            self._asked.append(key)
+            if x is not None:
+                self._held -= x.nbytes
+                self.ahead += 1
+            self._cv.notify_all()
+        self.reads += 1
+        if x is not None:
+            return x
+        try:
+            return self._read(key)
+        except BaseException as e:  # raised inside XLA's callback: kept so the step can raise it as it is
+            self.error = self.error or e
+            raise
+
+    def end(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._ready.clear()
+            self._held = 0
+            if self._asked:
+                self.order, self._asked = self._asked, []
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+
+def local_devices(plan: ZeroPlan) -> list:
+    """The data-axis indices of this process's devices."""
+    axis_pos = plan.mesh.axis_names.index(plan.data_axis)
+    here = jax.process_index()
+    out = set()
+    for idx, dev in np.ndenumerate(plan.mesh.devices):
+        if dev.process_index == here:
+            out.add(idx[axis_pos])
+    return sorted(out)
+
+
+def params_source(disk: DiskLayout, reader: ParamReader, dtype):
+    """For the body of the data-parallel gradient (manual over the data axis): a function
+    returning this device's stored params, each read through ``reader`` by a host callback."""
+    plan = disk.plan
+
+    def source():
+        dev = jax.lax.axis_index(plan.data_axis)
+        leaves = []
+        for i in range(len(plan.leaves)):
+            want = jax.ShapeDtypeStruct(disk.local_shape(i), dtype)
+            local = jax.pure_callback(lambda d, _i=i: reader.get(_i, d), want, dev)
+            leaves.append(disk.from_local(i, local))
+        return plan.treedef.unflatten(leaves)
+
+    return source

@@ -128,6 +128,8 @@ SLOW = {
         "a subprocess tracing each contender's step five times (9 s)",
     "tests/test_benchmarks.py::test_variadic_gather_smoke_reports_both_partitioners_and_an_equal_step":
         "three subprocesses, three contenders compiled twice each",
+    "tests/test_benchmarks.py::test_bigger_than_memory_smoke_trains_and_prints_the_disk_figures":
+        "a subprocess training ZeRO-Infinity's GPT and measuring the disk (8 s)",
     "tests/test_benchmarks.py::test_muon_smoke_prints_every_contender": "a subprocess compiling fourteen contenders (17 s with eight)",
     # every stage x every optimizer against plain optax, 10 steps each: 32 compiled steps + references
     "tests/test_step.py::test_matches_plain_optax_fp32": "32 compiled steps",
@@ -214,8 +216,8 @@ BUDGET = {
                                         "bucket x prefetch setting (377 programs)",
     "tests/stages/test_zeropp.py": "81 s: every ZeRO++ setting (qwZ, qgZ, hpZ) compiled and checked against "
                                    "stage 3 and plain optax (246 programs, GPT-sized: 51 s of compiling)",
-    "tests/test_benchmarks.py": "105 s: five benchmark smoke runs (gpu_check, vs_plain_jax, compile_time and its "
-                                "--trace, variadic_gather), each a fresh process building every contender it times",
+    "tests/test_benchmarks.py": "115 s: six benchmark smoke runs (gpu_check, vs_plain_jax, compile_time and its "
+                                "--trace, variadic_gather, bigger_than_memory), each a fresh process building every contender it times",
     "tests/test_pipeline.py": "51 s (66 s in the slower run): every pipeline schedule's program against plain "
                               "optax, and the pipeline benchmark's smoke run (18-22 s)",
     "tests/runtime/test_distributed.py": "53 s (62 s in the slower runs): 16 processes: a two-process run of 4 "

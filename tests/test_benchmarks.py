@@ -62,3 +62,10 @@ def test_muon_smoke_prints_every_contender():
         rows = [line for line in out.splitlines() if line.startswith(f"{name} ")]
         assert len(rows) == 2, f"{name!r} missing from:\n{out}"  # the collectives table and the timings
     assert "bytes/4Psi" in out and "ms/step" in out
+
+
+def test_bigger_than_memory_smoke_trains_and_prints_the_disk_figures():
+    out = run("bigger_than_memory.py", "--smoke")
+    assert "(falling)" in out, out
+    for figure in ("on disk", "disk: write", "per step: read", "x (bytes / bandwidth + compute)", "peak RSS growth"):
+        assert figure in out, f"{figure!r} missing from:\n{out}"

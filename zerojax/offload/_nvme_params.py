@@ -10,8 +10,10 @@ assembles the whole param); a param kept whole (below ``param_persistence_thresh
 kept in its own shape. The fp32 master and Adam moments use the same order, which an
 elementwise update does not mind, so gradients are flattened the same way.
 
-Inside the step each device asks for its part with a host callback (one per param and
-device); a reader thread reads ahead in the order the previous step asked for them, into a host
+Inside the step the stage-3 replay reads each device's part where it gathers the param
+(:class:`NvmeSource`: a host callback after the activation of the moment, again for the backward
+pass where it gathers the param again); a reader thread reads ahead in the order the previous
+step asked for them, into a host
 buffer bounded by ``offload_param``'s ``buffer_count`` x ``buffer_size`` elements (and
 ``max_in_cpu``), so the reads overlap the step's compute. Between steps nothing of the params
 stays in host or device memory.
@@ -30,7 +32,7 @@ import numpy as np
 from zerojax._plan import LeafLayout, ZeroPlan
 from zerojax.offload._flat import FlatLayout
 
-__all__ = ["DiskLayout", "ParamReader", "params_source"]
+__all__ = ["DiskLayout", "NvmeSource", "ParamReader"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,20 +82,20 @@ class DiskLayout:
 class ParamReader:
     """Each device's part of each param, read from the store's committed slot.
 
-    :meth:`begin` starts a thread reading ahead through ``order`` (pairs of leaf index and
-    data-axis device index) while the buffered bytes stay within ``budget``; :meth:`get`
-    hands over a buffered part or reads it now. :meth:`end` stops the thread and drops what
-    is left, so nothing is held between steps, and takes the order the step asked in as the
-    next step's ``order``. ``reads`` counts the parts read, ``ahead`` those a step found
-    already read.
+    :meth:`begin` starts a thread reading ahead through ``order`` (the requests of a step: pairs
+    of leaf index and data-axis device index, a pair again where the backward pass reads the
+    param again) while the buffered bytes stay within ``budget``; :meth:`get` hands over a
+    buffered part or reads it now. :meth:`end` stops the thread and drops what is left, so
+    nothing is held between steps, and takes the requests the step made, in order, as the next
+    step's ``order``. ``reads`` counts the parts handed over, ``ahead`` those already read then.
     """
 
     def __init__(self, store, disk: DiskLayout, dtype, order: Sequence[tuple], budget: int):
         self.store, self.disk, self.dtype = store, disk, np.dtype(dtype)
         self.order, self.budget = list(order), max(0, int(budget))
         self._cv = threading.Condition()
-        self._ready: dict = {}
-        self._taken: set = set()
+        self._ready: dict = {}  # key -> parts read ahead, not handed over yet
+        self._used: dict = {}  # key -> parts handed over this step
         self._held = 0
         self._stop = True
         self._asked: list = []
@@ -111,22 +113,24 @@ class ParamReader:
     def begin(self) -> None:
         self.end()
         with self._cv:
-            self._ready, self._taken, self._held, self._stop, self._asked = {}, set(), 0, False, []
+            self._ready, self._used, self._held, self._stop, self._asked = {}, {}, 0, False, []
             self.error = None
         if self.budget and self.order:
             self._thread = threading.Thread(target=self._ahead, name="nvme-params", daemon=True)
             self._thread.start()
 
     def _ahead(self) -> None:
+        seen: dict = {}
         for key in self.order:
+            k = seen[key] = seen.get(key, 0) + 1  # this is the key's k-th request of the step
             size = math.prod(self.disk.local_shape(key[0])) * self.dtype.itemsize
             with self._cv:
                 # wait for room (a part larger than the budget is read when the buffer is empty)
-                self._cv.wait_for(lambda: self._stop or key in self._taken or self._held == 0
+                self._cv.wait_for(lambda: self._stop or self._used.get(key, 0) >= k or self._held == 0
                                   or self._held + size <= self.budget)
                 if self._stop:
                     return
-                if key in self._taken:
+                if self._used.get(key, 0) >= k:  # asked for already: read then
                     continue
             try:
                 x = self._read(key)
@@ -135,16 +139,17 @@ class ParamReader:
             with self._cv:
                 if self._stop:
                     return
-                if key not in self._taken:
-                    self._ready[key] = x
+                if self._used.get(key, 0) < k:
+                    self._ready.setdefault(key, []).append(x)
                     self._held += x.nbytes
                     self._cv.notify_all()
 
     def get(self, i, device) -> np.ndarray:
         key = (int(i), int(device))
         with self._cv:
-            x = self._ready.pop(key, None)
-            self._taken.add(key)
+            parts = self._ready.get(key)
+            x = parts.pop(0) if parts else None
+            self._used[key] = self._used.get(key, 0) + 1
             self._asked.append(key)
             if x is not None:
                 self._held -= x.nbytes
@@ -183,18 +188,60 @@ def local_devices(plan: ZeroPlan) -> list:
     return sorted(out)
 
 
-def params_source(disk: DiskLayout, reader: ParamReader, dtype):
-    """For the body of the data-parallel gradient (manual over the data axis): a function
-    returning this device's stored params, each read through ``reader`` by a host callback."""
-    plan = disk.plan
+class NvmeSource:
+    """What the data-parallel gradient's body (manual over the data axis) takes the params from
+    when they live on NVMe.
 
-    def source():
-        dev = jax.lax.axis_index(plan.data_axis)
+    ``params()``: the params tree to differentiate: a param kept whole is read from the files
+    there and then (it is small: below ``param_persistence_threshold``), a partitioned one is a
+    zero placeholder of its shard's shape that nothing reads. ``sources``: leaf path ->
+    ``read(placeholder, anchor)``, which the stage-3 replay calls at each point it needs the
+    shard: a host callback reads this device's part after ``anchor`` (the activation of the
+    moment), so each param is read where it is used, forward and again backward, and the
+    placeholder takes the shard's gradient.
+    """
+
+    def __init__(self, disk: DiskLayout, reader: ParamReader, dtype):
+        self.disk, self.reader, self.dtype = disk, reader, dtype
+        self.sources = {lay.path: self._reader_of(i) for i, lay in enumerate(disk.plan.leaves)
+                        if lay.params_partitioned}
+
+    def _fetch(self, i: int, after):
+        want = jax.ShapeDtypeStruct(self.disk.local_shape(i), self.dtype)
+        dev = jax.lax.axis_index(self.disk.plan.data_axis)
+        local = jax.pure_callback(lambda d, _after, _i=i: self.reader.get(_i, d), want, dev, after)
+        return self.disk.from_local(i, local)
+
+    def _reader_of(self, i: int):
+        @jax.custom_vjp
+        def read(placeholder, after):
+            return self._fetch(i, after)
+
+        def fwd(placeholder, after):
+            return self._fetch(i, after), after
+
+        def bwd(after, ct):
+            return ct, jnp.zeros_like(after)
+
+        read.defvjp(fwd, bwd)
+
+        def source(placeholder, anchor):
+            after = jnp.float32(0) if anchor is None else \
+                jax.lax.stop_gradient(jnp.ravel(anchor)[0]).astype(jnp.float32)
+            return read(placeholder, after)
+
+        return source
+
+    def params(self):
+        plan = self.disk.plan
+        n = plan.n
         leaves = []
-        for i in range(len(plan.leaves)):
-            want = jax.ShapeDtypeStruct(disk.local_shape(i), dtype)
-            local = jax.pure_callback(lambda d, _i=i: reader.get(_i, d), want, dev)
-            leaves.append(disk.from_local(i, local))
+        for i, lay in enumerate(plan.leaves):
+            if lay.params_partitioned:
+                shape = tuple(d // n if a == lay.axis else d for a, d in enumerate(lay.storage_shape))
+                leaves.append(jnp.zeros(shape, self.dtype))
+            else:
+                leaves.append(self._fetch(i, jnp.float32(0)))
         return plan.treedef.unflatten(leaves)
 
-    return source
+    __call__ = params

@@ -32,7 +32,7 @@ from zerojax._errors import ConfigError, StateError
 from zerojax.offload._flat import FlatLayout
 from zerojax.offload._host_rule import HostOptimizer
 from zerojax.offload._nvme import NvmeOptimizerStore, _validate_dir
-from zerojax.offload._nvme_params import DiskLayout, ParamReader, local_devices, params_source
+from zerojax.offload._nvme_params import DiskLayout, NvmeSource, ParamReader, local_devices
 from zerojax.stages._gradients import grads_fn
 from zerojax._state import TrainState
 from zerojax.update._pipeline import check_gradients, step_metrics
@@ -127,7 +127,7 @@ class HostLoopStep(StepBase):
             order = [(i, d) for i in range(len(plan.leaves)) for d in local_devices(plan)]
             budget = min(cfg.offload_param_buffer_count * cfg.offload_param_buffer_size, cfg.offload_param_max_in_cpu)
             self.reader = ParamReader(self.store, self.disk, self.cdt, order, budget * jnp.dtype(self.cdt).itemsize)
-            source = params_source(self.disk, self.reader, self.cdt)
+            source = NvmeSource(self.disk, self.reader, self.cdt)
         compute_grads = grads_fn(loss_fn, plan, has_aux, params_source=source)
         def device(params, batch, rng):
             g, loss = compute_grads(params, batch, jnp.float32(1.0), rng)

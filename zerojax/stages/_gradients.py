@@ -56,8 +56,10 @@ def grads_fn(loss_fn: Callable, plan: ZeroPlan, has_aux: bool = False, with_sums
     """The data-parallel gradient computation: (params, batch, scale, rng) -> (grads, loss), or
     (grads, loss, sumsq) ``with_sumsq``.
 
-    ``params_source`` (params on NVMe): called inside the body, per device, it returns the
-    device's stored params, which then come from there and not from ``params`` (pass None).
+    ``params_source`` (params on NVMe, :class:`zerojax.offload._nvme_params.NvmeSource`): called
+    inside the body, per device, it gives the params to differentiate (placeholders for the
+    partitioned ones), and its ``sources`` read each shard where the stage-3 replay uses it;
+    ``params`` is then None.
 
     ``grads`` are the mean over the global batch of d(scale·loss)/d(params), laid out as
     ``plan.grad_shardings`` (partitioned from stage 1) and in float32; ``sumsq`` is their
@@ -74,7 +76,9 @@ def grads_fn(loss_fn: Callable, plan: ZeroPlan, has_aux: bool = False, with_sums
     # and zj.ulysses_attention carries its all-to-alls in the config's seq_parallel_comm_dtype
     loss_fn = comm_scope(loss_fn, cfg.seq_parallel_comm_dtype)
     f32 = jnp.float32
-    stage3_loss = gathered_loss(loss_fn, plan, takes_rng) if any(lay.params_partitioned for lay in plan.leaves) else None
+    sources = getattr(params_source, "sources", None)
+    stage3_loss = gathered_loss(loss_fn, plan, takes_rng, sources) \
+        if any(lay.params_partitioned for lay in plan.leaves) else None
 
     def per_micro(lay):  # reduce this leaf's gradient after every micro-batch?
         return not lay.params_partitioned and plan.stage >= 2 and plan.grad_partitioned(lay)

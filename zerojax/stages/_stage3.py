@@ -89,8 +89,8 @@ class _Interpreter:
         # the use sites' backward derivatives, one jitted function per structure of site
         self.programs = {}
 
-    def base(self, shard, lay: LeafLayout, stacked=None) -> Lazy:
-        return _param(Base(shard, lay, self.wire, self.fetches, stacked))
+    def base(self, shard, lay: LeafLayout, stacked=None, source=None) -> Lazy:
+        return _param(Base(shard, lay, self.wire, self.fetches, stacked, source))
 
     def _loop_body(self, body: Callable, times: int) -> Callable:
         """``body`` counting the params it uses ``times`` over (once per iteration), however
@@ -254,11 +254,12 @@ class _Interpreter:
         if name == "dynamic_slice" and lay.axis != 0:
             sizes = tuple(eqn.params["slice_sizes"])
             if sizes[0] == 1 and sizes[1:] == lay.shape[1:]:
-                local = jax.lax.dynamic_slice_in_dim(base.shard, invals[1], 1, axis=0)
+                local = jax.lax.dynamic_slice_in_dim(_held(base, _anchor(invals)), invals[1], 1, axis=0)
                 return [self.base(local, dataclasses.replace(lay, shape=(1,) + lay.shape[1:]))]
         if name in ("squeeze", "reshape") and lay.shape and lay.shape[0] == 1 and lay.axis != 0:
             if tuple(eqn.outvars[0].aval.shape) == lay.shape[1:]:
-                return [self.base(base.shard.reshape(base.shard.shape[1:]), _inner(lay))]
+                shard = _held(base, _anchor(invals))
+                return [self.base(shard.reshape(shard.shape[1:]), _inner(lay))]
         return None
 
     def _plain(self, x, anchor):
@@ -272,7 +273,7 @@ class _Interpreter:
         xs_in = invals[nc + ncarry:]
         layouts = {i: _inner(x.sources[0].lay) for i, x in enumerate(xs_in)
                    if isinstance(x, Lazy) and x.is_param and x.sources[0].lay.axis != 0}
-        xs = [x.sources[0].shard if i in layouts else self._plain(x, anchor) for i, x in enumerate(xs_in)]
+        xs = [_held(x.sources[0], anchor) if i in layouts else self._plain(x, anchor) for i, x in enumerate(xs_in)]
         body = p["jaxpr"]
         # each layer's backward pass gathers its param again from the stacked shards (a constant
         # of the loop, which the loop's backward reads in place) at the iteration's index: saved
@@ -297,7 +298,7 @@ class _Interpreter:
         body_in = invals[cn:cn + bn]
         init = [self._plain(x, anchor) for x in invals[cn + bn:]]
         keep = [isinstance(x, Lazy) and x.is_param for x in body_in]
-        shards = [x.sources[0].shard if k else self._plain(x, anchor) for x, k in zip(body_in, keep)]
+        shards = [_held(x.sources[0], anchor) if k else self._plain(x, anchor) for x, k in zip(body_in, keep)]
         lays = [x.sources[0].lay if k else None for x, k in zip(body_in, keep)]
         cond_j, body_j = p["cond_jaxpr"], p["body_jaxpr"]
 
@@ -311,6 +312,14 @@ class _Interpreter:
         return list(jax.lax.while_loop(cond, self._loop_body(body, 1), list(init)))
 
 
+def _held(base: Base, anchor):
+    """``base``'s shard as a value a loop can slice: the shard itself, or for a param on NVMe the
+    device's part read from the files (the whole stacked param, once, where the loop starts)."""
+    if base.source is None:
+        return base.shard
+    return base.source(base.shard, anchor)
+
+
 def _read(env: dict, v):
     """A variable's value in ``env``, or a literal's own."""
     return v.val if isinstance(v, Literal) else env[v]
@@ -321,10 +330,14 @@ def _is_literal_like(x) -> bool:
     return not hasattr(x, "aval") or not isinstance(x, Tracer)
 
 
-def gathered_loss(loss_fn: Callable, plan: ZeroPlan, takes_rng: bool):
+def gathered_loss(loss_fn: Callable, plan: ZeroPlan, takes_rng: bool, sources: Optional[dict] = None):
     """``loss(shards, micro_batch, key)`` for stage 3: the user's loss on just-in-time gathered
     params; gradients w.r.t. the shards come out reduced into each device's shard (a
-    reduce-scatter, or ZeRO++'s quantized exchanges: :class:`zerojax.stages._zeropp.Wire`)."""
+    reduce-scatter, or ZeRO++'s quantized exchanges: :class:`zerojax.stages._zeropp.Wire`).
+
+    ``sources`` (params on NVMe): leaf path -> ``read(placeholder, anchor)``; that leaf's entry of
+    ``shards`` is then a placeholder of the shard's shape, and each use reads the shard."""
+    sources = sources or {}
     wire = Wire.of(plan)
     prefetch = int(plan.config.prefetch_bucket_size)
 
@@ -336,7 +349,8 @@ def gathered_loss(loss_fn: Callable, plan: ZeroPlan, takes_rng: bool):
         closed, out_shape = make_jaxpr_keeping_calls(loss_fn, plan.map(whole, shards), mb, *extra)
         interp = _Interpreter(wire, prefetch, Slicing.of(plan.config), int(plan.config.max_reuse_distance),
                               int(plan.config.max_live_parameters))
-        lazies = plan.map(lambda lay, x: interp.base(x, lay) if lay.params_partitioned else x, shards)
+        lazies = plan.map(lambda lay, x: interp.base(x, lay, source=sources.get(lay.path))
+                          if lay.params_partitioned else x, shards)
         flat = jax.tree_util.tree_leaves((lazies, mb) + extra, is_leaf=lambda x: isinstance(x, Lazy))
         out = interp.run(closed.jaxpr, closed.consts, flat)
         return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), out)

@@ -43,26 +43,40 @@ def _tied(x, anchor):
     return x + jnp.zeros((), x.dtype) * jax.lax.stop_gradient(a).astype(x.dtype)
 
 
-def _gather_again(full, shard, anchor, lay: LeafLayout, wire: Wire):
-    """``full`` gathered anew from ``shard`` (after ``anchor``): the forward pass moves the param
-    again instead of keeping ``full`` alive; the cotangent is handed to ``full``, so all uses'
-    cotangents still meet before the param's one reduction."""
+def _bring(base: "Base", shard, anchor):
+    """The shard ``shard`` of ``base``'s param in device memory, after ``anchor``: moved from host
+    memory (offloaded params), or read from the files where the params live on NVMe
+    (``base.source``: ``shard`` is then a placeholder of its shape, and the read depends on
+    ``anchor``, so it happens where the step needs the param, not at its start)."""
+    if base.source is None:
+        return _tie(to_device_memory(shard), anchor)
+    return base.source(shard, anchor)
+
+
+def _gather_again(full, base: "Base", anchor):
+    """``full`` gathered anew from ``base``'s shard (after ``anchor``): the forward pass moves the
+    param again instead of keeping ``full`` alive; the cotangent is handed to ``full``, so all
+    uses' cotangents still meet before the param's one reduction."""
+    lay, wire = base.lay, base.wire
 
     def gathered(full, shard, anchor):  # ``full`` is not read: only its cotangent matters
-        return wire.gather_values(_tie(to_device_memory(shard), anchor), lay)[0]
+        return wire.gather_values(_bring(base, shard, anchor), lay)[0]
 
     again = jax.custom_vjp(gathered)
     again.defvjp(lambda *args: (gathered(*args), None), lambda _, ct: (ct, None, None))
-    return again(full, shard, anchor)
+    return again(full, base.shard, anchor)
 
 
 class Base:
     """A partitioned param not gathered yet: its local shard, layout and forward gather."""
 
-    __slots__ = ("shard", "lay", "full", "secondary", "wire", "fetches", "last_use", "kept", "stacked")
+    __slots__ = ("shard", "lay", "full", "secondary", "wire", "fetches", "last_use", "kept", "stacked", "source")
 
-    def __init__(self, shard, lay: LeafLayout, wire: Wire, fetches: Optional[Fetches] = None, stacked=None):
+    def __init__(self, shard, lay: LeafLayout, wire: Wire, fetches: Optional[Fetches] = None, stacked=None,
+                 source: Optional[Callable] = None):
         self.shard, self.lay, self.full, self.secondary, self.wire = shard, lay, None, None, wire
+        # params on NVMe: ``source(placeholder, anchor)`` reads this device's shard from the files
+        self.source = source
         # one layer of a loop: (the loop's stacked shards, this iteration's index), ``shard`` being
         # that slice of them
         self.stacked = stacked
@@ -97,7 +111,7 @@ class Base:
             # summed first, so a tied param is reduced once
             # an offloaded shard comes from host memory just before its gather
             self.full, self.secondary = _shared(_one_gather, self.wire, self.lay)(
-                _tie(to_device_memory(self.shard), anchor))
+                _bring(self, self.shard, anchor))
         return self.full
 
     def fetch(self, anchor):
@@ -105,9 +119,17 @@ class Base:
         ``max_reuse_distance`` elements of params were used since the copy's last use."""
         if self.full is not None and self.last_use is not None \
                 and self.fetches.count - self.last_use > self.fetches.limit:
-            self.full = _gather_again(self.full, self.shard, anchor, self.lay, self.wire)
+            self.full = _gather_again(self.full, self, anchor)
             self.last_use = None
         return self.gather_forward(anchor)
+
+
+def _again(base: "Base", residual, anchor):
+    """The backward pass's shard from a use site's residual: the hpZ secondary partition as it is
+    kept, else the shard brought over (or read from the files) again."""
+    if base.source is not None and base.secondary is not None:
+        return residual
+    return _bring(base, base.shard_of(residual), anchor)
 
 
 def _gather_together(bases: Sequence[Base], anchor) -> None:
@@ -121,7 +143,7 @@ def _gather_together(bases: Sequence[Base], anchor) -> None:
             b.gather_forward(anchor)
         return
     fulls = _shared(_bucket_gather, wire, *[b.lay for b in bases])(
-        [_tie(to_device_memory(b.shard), anchor) for b in bases])
+        [_bring(b, b.shard, anchor) for b in bases])
     for b, full in zip(bases, fulls):
         b.full = full
         if wire.hpz:
@@ -318,7 +340,7 @@ def _use_site(op: Callable[[list], list], invals: list, anchor, op_key: Optional
     def bwd(res, ct):
         held, shards, diffs, consts = res
         ct_anchor = next((c for c in ct if hasattr(c, "dtype") and _is_float(c)), None)
-        wholes = [h if k else b.wire.regather(_tie(to_device_memory(b.shard_of(s)), ct_anchor), b.lay, b.shard.dtype)
+        wholes = [h if k else b.wire.regather(_again(b, s, ct_anchor), b.lay, b.shard.dtype)
                   for h, s, b, k in zip(held, shards, bases, kept())]
         if program is not None and all(_is_float(c) for c in ct):
             d_fulls, d_diffs = program(wholes, diffs, consts, list(ct))
@@ -490,7 +512,7 @@ def _chunked_dot(eqn, invals, slicing: Slicing) -> Optional[list]:
     sliced = jax.custom_vjp(lambda shard, xv: run(shard, xv)[0])
     sliced.defvjp(fwd, bwd)
     base.fetches.used([base])
-    return [sliced(to_device_memory(base.shard), x)]
+    return [sliced(_bring(base, base.shard, None), x)]
 
 
 def _sharded_lookup(eqn, invals, slicing: Optional[Slicing] = None) -> Optional[list]:
@@ -540,7 +562,7 @@ def _sharded_lookup(eqn, invals, slicing: Optional[Slicing] = None) -> Optional[
 
     all_ids = jax.lax.all_gather(ids, axis_name)
     base.fetches.used([base])
-    return [_keeping_inputs(forward, bwd)(to_device_memory(base.shard), all_ids)]
+    return [_keeping_inputs(forward, bwd)(_bring(base, base.shard, None), all_ids)]
 
 
 def _row_split_lookup(eqn, base: "Base", ids) -> Optional[list]:
@@ -583,7 +605,7 @@ def _row_split_lookup(eqn, base: "Base", ids) -> Optional[list]:
 
     all_ids = jax.lax.all_gather(ids, axis_name)
     base.fetches.used([base])
-    return [_keeping_inputs(forward, bwd)(to_device_memory(base.shard), all_ids)]
+    return [_keeping_inputs(forward, bwd)(_bring(base, base.shard, None), all_ids)]
 
 
 def _inner(lay: LeafLayout) -> LeafLayout:

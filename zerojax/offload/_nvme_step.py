@@ -87,6 +87,12 @@ class HostLoopStep(StepBase):
         self.cdt = plan.compute_dtype
         # params on NVMe: the flat order is each leaf's disk layout (split dim first), else the user's shapes
         self.disk = DiskLayout.of(plan) if cfg.offload_param == "nvme" else None
+        if jax.process_count() > 1:
+            # the host update reads every gradient and writes every param on this process
+            raise ConfigError(f"offload_optimizer={cfg.offload_optimizer!r} runs its host update in one process "
+                              f"(this job has {jax.process_count()}): the NVMe store is not split over processes. "
+                              "Fix: run one process per machine over all its devices, or use offload_optimizer "
+                              "'cpu'")
         others = {a: k for a, k in plan.mesh.shape.items() if a != plan.data_axis and k > 1}
         if self.disk is not None and others:
             raise ConfigError(f"offload_param='nvme' splits each param over the data axis only; the mesh also splits "

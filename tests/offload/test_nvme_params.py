@@ -18,7 +18,7 @@ def adamw():
                                                  weight_decay=0.1)
 
 
-def run(path, param, precision="fp32", gas=1, steps=4, keep=None):
+def run(path, param, precision="fp32", gas=1, steps=4):
     """(params after ``steps`` as numpy leaves, losses, the step's reader or None)."""
     path.mkdir(exist_ok=True)
     config = zj.ZeroConfig(stage=3, precision=precision, offload_optimizer="nvme", offload_param=param,
@@ -27,8 +27,6 @@ def run(path, param, precision="fp32", gas=1, steps=4, keep=None):
     state = zj.shard_train_state(init_params(jax.random.PRNGKey(0)), adamw(), config=config)
     losses = []
     with zj.make_train_step(loss_fn, state) as step:
-        if keep is not None:
-            keep.append(step)
         for b in batches(steps):
             state, m = step(state, b)
             losses.append(float(m["loss"]))
@@ -47,22 +45,14 @@ def run(path, param, precision="fp32", gas=1, steps=4, keep=None):
 @pytest.mark.parametrize("precision,gas", [("fp32", 1), ("fp32", 2), ("bf16", 1)])
 def test_nvme_params_train_as_params_in_host_memory(tmp_path, precision, gas):
     want, want_losses, _, _ = run(tmp_path / "cpu", "cpu", precision, gas)
-    step_of = []
-    got, losses, reader, state = run(tmp_path / "nvme", "nvme", precision, gas, keep=step_of)
-    # equal but for the order the gradient norm is summed in (the host sums the flat buffer)
-    np.testing.assert_allclose(losses, want_losses, rtol=1e-6)
+    got, losses, reader, state = run(tmp_path / "nvme", "nvme", precision, gas)
+    assert losses == want_losses
     for a, b in zip(want, got):
         np.testing.assert_allclose(np.asarray(b, np.float32), np.asarray(a, np.float32), rtol=0, atol=1e-6)
     # each device read its own part of each param at least once a step; the reader ran ahead
     n_leaves = len(state.plan.leaves)
     assert reader.reads >= 4 * n_leaves * state.plan.n
     assert reader.ahead > 0
-    # the partitioned params' gradients leave the devices in the backward pass (to the host's
-    # buffer): the device part's outputs are the whole params' gradients and the loss
-    whole = sum(4 * int(np.prod(lay.shape)) for lay in state.plan.leaves if not lay.params_partitioned)
-    assert reader.disk.flat.total * 4 > 4 * whole + 64
-    out = step_of[0].lower(state, batches(1)[0]).compile().memory_analysis().output_size_in_bytes
-    assert out <= state.plan.n * (whole + 64)
     # the params went to files: the slots hold them beside the 12 bytes of optimizer state
     store = os.path.join(tmp_path / "nvme", "zerojax_optimizer_p0")
     if precision == "bf16":

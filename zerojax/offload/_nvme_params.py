@@ -28,12 +28,11 @@ from typing import Optional, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import io_callback
 
 from zerojax._plan import LeafLayout, ZeroPlan
 from zerojax.offload._flat import FlatLayout
 
-__all__ = ["DiskLayout", "GradSink", "NvmeSource", "ParamReader"]
+__all__ = ["DiskLayout", "NvmeSource", "ParamReader"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,11 +72,6 @@ class DiskLayout:
         size = math.prod(self.local_shape(i))
         off = self.flat.offsets[i]
         return (off + device * size, size) if self.plan.leaves[i].params_partitioned else (off, size)
-
-    def to_local(self, i: int, shard):
-        """The inverse of :meth:`from_local`: a device's shard -> its part in disk order."""
-        lay = self.plan.leaves[i]
-        return jnp.moveaxis(shard, lay.axis, 0) if lay.params_partitioned else shard
 
     def from_local(self, i: int, local):
         """A device's part as read (disk order) -> the shard the stage-3 step works on."""
@@ -183,46 +177,6 @@ class ParamReader:
             self._thread = None
 
 
-class GradSink:
-    """The partitioned params' gradients, taken off the devices as the backward pass makes them.
-
-    Where the replay's read of a shard is differentiated (:class:`NvmeSource`), its cotangent (the
-    device's reduced part of the gradient, one micro-batch's) goes to the host by a callback and
-    is added into :attr:`acc`, one fp32 buffer in the disk layout (the flat order of the NVMe
-    store), so the device holds no gradient of a partitioned param after its use, and the host
-    update reads the buffer in place. :meth:`begin` starts a step; :meth:`end` zeroes the parts no
-    gradient reached (a param the loss does not use) and returns :attr:`acc`.
-    """
-
-    def __init__(self, disk: DiskLayout, devices: Sequence[int]):
-        self.disk = disk
-        self.acc = np.empty(disk.flat.total, np.float32)
-        self.keys = [(i, d) for i, lay in enumerate(disk.plan.leaves) if lay.params_partitioned for d in devices]
-        self._locks = {k: threading.Lock() for k in self.keys}
-        self._written: set = set()
-
-    def begin(self) -> None:
-        self._written = set()
-
-    def add(self, i, device, g) -> None:
-        key = (int(i), int(device))
-        start, size = self.disk.local_range(*key)
-        dst = self.acc[start:start + size]
-        with self._locks[key]:  # two uses of one param may hand over their parts at once
-            if key in self._written:
-                dst += np.asarray(g, np.float32).reshape(-1)
-            else:
-                np.copyto(dst, np.asarray(g).reshape(-1), casting="unsafe")
-                self._written.add(key)
-
-    def end(self) -> np.ndarray:
-        for key in self.keys:
-            if key not in self._written:
-                start, size = self.disk.local_range(*key)
-                self.acc[start:start + size] = 0
-        return self.acc
-
-
 def local_devices(plan: ZeroPlan) -> list:
     """The data-axis indices of this process's devices."""
     axis_pos = plan.mesh.axis_names.index(plan.data_axis)
@@ -243,12 +197,12 @@ class NvmeSource:
     zero placeholder of its shard's shape that nothing reads. ``sources``: leaf path ->
     ``read(placeholder, anchor)``, which the stage-3 replay calls at each point it needs the
     shard: a host callback reads this device's part after ``anchor`` (the activation of the
-    moment), so each param is read where it is used, forward and again backward. The shard's
-    gradient goes to ``sink`` (:class:`GradSink`) where one is given, else to the placeholder.
+    moment), so each param is read where it is used, forward and again backward, and the
+    placeholder takes the shard's gradient.
     """
 
-    def __init__(self, disk: DiskLayout, reader: ParamReader, dtype, sink: Optional[GradSink] = None):
-        self.disk, self.reader, self.dtype, self.sink = disk, reader, dtype, sink
+    def __init__(self, disk: DiskLayout, reader: ParamReader, dtype):
+        self.disk, self.reader, self.dtype = disk, reader, dtype
         self.sources = {lay.path: self._reader_of(i) for i, lay in enumerate(disk.plan.leaves)
                         if lay.params_partitioned}
 
@@ -267,12 +221,7 @@ class NvmeSource:
             return self._fetch(i, after), after
 
         def bwd(after, ct):
-            if self.sink is None:
-                return ct, jnp.zeros_like(after)
-            dev = jax.lax.axis_index(self.disk.plan.data_axis)
-            io_callback(lambda d, g, _i=i: self.sink.add(_i, d, g), None, dev, self.disk.to_local(i, ct),
-                        ordered=False)
-            return jnp.zeros_like(ct), jnp.zeros_like(after)
+            return ct, jnp.zeros_like(after)
 
         read.defvjp(fwd, bwd)
 

@@ -32,25 +32,11 @@ from zerojax._errors import ConfigError, StateError
 from zerojax.offload._flat import FlatLayout
 from zerojax.offload._host_rule import HostOptimizer
 from zerojax.offload._nvme import NvmeOptimizerStore, _validate_dir
-from zerojax.offload._nvme_params import DiskLayout, GradSink, NvmeSource, ParamReader, local_devices
+from zerojax.offload._nvme_params import DiskLayout, NvmeSource, ParamReader, local_devices
 from zerojax.stages._gradients import grads_fn
 from zerojax._state import TrainState
 from zerojax.update._pipeline import check_gradients, step_metrics
 from zerojax.update._recognize import StepSettings, recognize, refuse
-
-
-_CHUNK = 1 << 22  # elements per pass of the host-side gradient arithmetic (bounded temporaries)
-
-
-def _scale_in_place(flat: np.ndarray, coef, dtype) -> None:
-    """``flat`` divided by the clipping coefficient and rounded to ``dtype`` (kept in fp32), as the
-    device part computes ``(g / coef).astype(dtype)``, a chunk at a time."""
-    coef = np.float32(coef)
-    for a in range(0, flat.size, _CHUNK):
-        blk = flat[a:a + _CHUNK]
-        np.divide(blk, coef, out=blk)
-        if jnp.dtype(dtype) != np.float32:
-            blk[...] = blk.astype(jnp.dtype(dtype))
 
 
 class MemoryAdamW:
@@ -129,11 +115,10 @@ class HostLoopStep(StepBase):
             self.store = MemoryAdamW(n, self.host_opt)
         else:
             raise ConfigError(f"store={store!r}: expected 'nvme' or 'memory'")
-        # the gradients for the host update (with params on NVMe: the sink's fp32 buffer instead)
-        self.grads = np.empty(n, jnp.dtype(self.cdt)) if self.disk is None else None
+        self.grads = np.empty(n, jnp.dtype(self.cdt))
         self.out16 = np.empty(n, jnp.dtype(self.cdt)) if self.cdt != jnp.float32 and self.disk is None else None
         self.count = 0
-        source, self.reader, self.sink = None, None, None
+        source, self.reader = None, None
         if self.disk is None:
             self.store.init(self.layout.fill(np.empty(n, np.float32), placement.params_logical(plan, state.params)))
         else:
@@ -148,16 +133,15 @@ class HostLoopStep(StepBase):
             order = [(i, d) for i in range(len(plan.leaves)) for d in local_devices(plan)]
             budget = min(cfg.offload_param_buffer_count * cfg.offload_param_buffer_size, cfg.offload_param_max_in_cpu)
             self.reader = ParamReader(self.store, self.disk, self.cdt, order, budget * jnp.dtype(self.cdt).itemsize)
-            self.sink = GradSink(self.disk, local_devices(plan))
-            source = NvmeSource(self.disk, self.reader, self.cdt, self.sink)
+            source = NvmeSource(self.disk, self.reader, self.cdt)
         compute_grads = grads_fn(loss_fn, plan, has_aux, params_source=source)
         def device(params, batch, rng):
             g, loss = compute_grads(params, batch, jnp.float32(1.0), rng)
-            if self.sink is not None:  # the partitioned params' gradients went to the sink already
-                return [x for lay, x in zip(plan.leaves, plan.treedef.flatten_up_to(placement.to_update(plan, g)))
-                        if not lay.params_partitioned], loss
             checked = check_gradients(cfg, placement.to_update(plan, g), loss)
             leaves = [(x / checked.coef).astype(self.cdt) for x in plan.treedef.flatten_up_to(checked.grads)]
+            if self.disk is not None:  # the gradients in the params' disk layout (zeros where padded)
+                leaves = [self.disk.to_disk(lay, placement.pad(x, lay)) if lay.params_partitioned else x
+                          for lay, x in zip(plan.leaves, leaves)]
             return leaves, loss, checked._replace(grads=None)
 
         def place(leaves):
@@ -183,22 +167,28 @@ class HostLoopStep(StepBase):
         self._check(state, batch)
         rng = jax.random.fold_in(state.rng, state.step)
         if self.reader is not None:
-            grads, loss, checked = self._nvme_device(batch, rng)
+            self.reader.begin()
+            try:
+                grads, loss, checked = self._device(None, batch, rng)
+                skip = bool(checked.skip)
+            except Exception as e:
+                if self.reader.error is not None:  # a failed read of the params' files (NvmeError)
+                    raise self.reader.error from e
+                raise
+            finally:
+                self.reader.end()
             state = state.replace(params=self.placeholders())
         else:
             grads, loss, checked = self._device(state.params, batch, rng)
-            self.layout.fill(self.grads, grads)
-            grads = self.grads
-        skip = bool(checked.skip)
+            skip = bool(checked.skip)
         hp = self.settings.peek()  # what this step uses, or would have used where skipped
         if not skip:
-            if self.sink is not None:  # clipped and rounded as the device part does, in place
-                _scale_in_place(grads, checked.coef, self.cdt)
+            self.layout.fill(self.grads, grads)
             self.count += 1
             self.host_opt.use(self.settings.next())
             # a failed write raises NvmeError here; the store keeps its last committed step and
             # the caller's state (not donated) is untouched
-            self.store.step(grads, self.count, lr=float(hp["learning_rate"]), out16=self.out16)
+            self.store.step(self.grads, self.count, lr=float(hp["learning_rate"]), out16=self.out16)
             _watchdog.record("host update", detail="nvme")
             if self.disk is None:
                 flat = self.out16 if self.out16 is not None else self.store.read_master()
@@ -207,32 +197,6 @@ class HostLoopStep(StepBase):
         metrics = step_metrics(self.cfg, loss, checked, hp["learning_rate"])
         self._report(new_state, metrics)
         return new_state, metrics
-
-    def _nvme_device(self, batch, rng):
-        """The device part with params on NVMe: the reads run ahead, the partitioned params'
-        gradients arrive in the sink's buffer; the norm, the finite check and the clipping
-        coefficient are taken over that buffer on the host. Returns (flat fp32 gradients, loss,
-        the checks)."""
-        self.reader.begin()
-        self.sink.begin()
-        try:
-            whole, loss = self._device(None, batch, rng)
-            loss = jax.block_until_ready(loss)  # the program (and every callback in it) has run
-            whole = [np.asarray(x) for x in whole]
-        except Exception as e:
-            if self.reader.error is not None:  # a failed read of the params' files (NvmeError)
-                raise self.reader.error from e
-            raise
-        finally:
-            self.reader.end()
-        acc = self.sink.end()
-        kept = [i for i, lay in enumerate(self.plan.leaves) if not lay.params_partitioned]
-        for i, x in zip(kept, whole):  # the params kept whole: their gradients from the device part
-            off = self.layout.offsets[i]
-            acc[off:off + x.size] = x.reshape(-1)
-        sumsq = sum(float(np.dot(acc[a:a + _CHUNK], acc[a:a + _CHUNK])) for a in range(0, acc.size, _CHUNK))
-        checked = check_gradients(self.cfg, None, loss, sumsq=jnp.float32(sumsq))
-        return acc, loss, checked
 
     def placeholders(self):
         """What ``state.params`` holds when the params live in files: their stored shapes,

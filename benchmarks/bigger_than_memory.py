@@ -11,18 +11,20 @@ files. Before every step the files' pages are dropped from the page cache, so th
 the drive where the kernel allows it. Printed:
 
 * the state on disk against this machine's memory, and the loss of each step (it must fall);
+* the peak resident set during the steps, the NVMe run alone in the process (above the process
+  after its imports), against the state on disk and the machine's memory (goal: <= 0.5x the
+  machine), and how much of it the simulated devices' compiled peak accounts for (GPU memory on a
+  GPU, not the host's);
 * per step: bytes read and written, the time the drive needs for them at its own measured
   sequential speed (a plain write with fsync and a read of a file of the same size, same
   directory, cache dropped), the compute time (the same model and batch at stage 3 with
-  everything in memory, timed interleaved with the NVMe steps) and the step time against the two
-  summed (goal: within 1.5x);
-* the peak resident set growth during the steps, and that growth less what the simulated devices
-  hold (the compiled device part's per-device peak x devices: on a GPU that memory is not the
-  host's), against the state on disk and the machine's memory.
+  everything in memory, timed in rounds interleaved with the NVMe steps; ``--no-compare`` skips
+  it for a state that does not fit) and the step time against the two summed (goal: within 1.5x).
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import shutil
 import tempfile
@@ -44,6 +46,8 @@ def main():
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--dir", default=None, help="a directory on the drive (default: a temp dir)")
     ap.add_argument("--smoke", action="store_true", help="2 layers of d 64, 2 steps")
+    ap.add_argument("--no-compare", action="store_true",
+                    help="no in-memory run (a model whose state does not fit in memory)")
     args = ap.parse_args()
     if args.smoke:
         args.layers, args.d, args.vocab, args.seq, args.steps = 2, 64, 256, 16, 2
@@ -69,14 +73,10 @@ def main():
     tx = optax.inject_hyperparams(optax.adamw)(learning_rate=3e-4, weight_decay=0.01)
     common = dict(stage=3, precision="bf16", param_persistence_threshold=0)
     try:
-        params = gpt.init_params(cfg, jax.random.PRNGKey(0))
-        mem = zj.ZeroConfig(**common)
-        base = zj.shard_train_state(params, tx, config=mem)
-        in_memory = zj.make_train_step(loss_fn, base)
+        rss_base = RssSampler().rss()  # after the imports: jax and its runtime
         config = zj.ZeroConfig(**common, offload_optimizer="nvme", offload_param="nvme", nvme_path=nvme,
                                sub_group_size=1 << 22)
-        state = zj.shard_train_state(params, tx, config=config)
-        del params
+        state = zj.shard_train_state(gpt.init_params(cfg, jax.random.PRNGKey(0)), tx, config=config)
         step = zj.make_train_step(loss_fn, state)
         n = step.layout.total  # elements on disk, padding included
         machine = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -88,40 +88,60 @@ def main():
         per_dev = compiled.argument_size_in_bytes + compiled.output_size_in_bytes + compiled.temp_size_in_bytes \
             - compiled.alias_size_in_bytes
         devices_bytes = per_dev * state.plan.n
-        # first steps: compile both, and the NVMe step writes the params to their files
-        state, _ = step(state, batch)
-        base, _ = in_memory(base, batch)
-        jax.block_until_ready(base)
-        write_bw, read_bw = disk_speed(root, int(min(slot, 1 << 30)))
-        io_read = io_write = 14 * n  # params (2 B) + master, m, v (12 B) read; the same written
-        times, compute, losses, mem_losses = [], [], [], []
-        with RssSampler(0.002) as rss:
-            start = rss.rss()
+        # the first step compiles and writes the params the state was made with to their files; the
+        # state it returns holds their shapes only
+        state, m = step(state, batch)
+        losses = [float(m["loss"])]
+        gc.collect()
+        times, compute, mem_losses = [], [], []
+        with RssSampler(0.002) as rss:  # the NVMe run alone: nothing else of the model in memory
             for _ in range(args.steps):
                 drop_cache(nvme)
                 t = time.perf_counter()
                 state, m = step(state, batch)
                 losses.append(float(m["loss"]))
                 times.append(time.perf_counter() - t)
-                t = time.perf_counter()
-                base, mb = in_memory(base, batch)
-                mem_losses.append(float(mb["loss"]))
-                compute.append(time.perf_counter() - t)
-        grow = rss.peak - start
-        step.close()
+        grow = rss.peak - rss_base
         print("losses: " + ", ".join(f"{x:.4f}" for x in losses)
-              + ("  (falling)" if losses[-1] < losses[0] else "  (NOT falling)")
-              + "; in memory: " + ", ".join(f"{x:.4f}" for x in mem_losses))
-        med, comp = float(np.median(times)), float(np.median(compute))
+              + ("  (falling)" if losses[-1] < losses[0] else "  (NOT falling)"))
+        print(f"peak RSS during the steps {grow / 2**30:.2f} GiB above the process after its imports = "
+              f"{grow / slot:.2f}x the state on disk, {grow / machine:.3f}x the machine [goal <= 0.5x the machine]; "
+              f"of it the simulated devices' compiled peak x {state.plan.n}: {devices_bytes / 2**30:.2f} GiB, "
+              "GPU memory on a GPU")
+        write_bw, read_bw = disk_speed(root, int(min(slot, 1 << 30)))
+        io_read = io_write = 14 * n  # params (2 B) + master, m, v (12 B) read; the same written
         io = io_read / (read_bw * 1e9) + io_write / (write_bw * 1e9)
         print(f"disk: write {write_bw:.2f} GB/s, read {read_bw:.2f} GB/s (plain sequential, cache dropped)")
+        if args.no_compare:
+            print(f"per step: read {io_read / 1e9:.3f} GB, written {io_write / 1e9:.3f} GB -> {io:.2f} s at the "
+                  f"disk's speed; step {float(np.median(times)):.2f} s")
+            return
+        # compute: the same model and batch at stage 3 in memory, timed interleaved with the NVMe steps
+        base = zj.shard_train_state(gpt.init_params(cfg, jax.random.PRNGKey(0)), tx, config=zj.ZeroConfig(**common))
+        in_memory = zj.make_train_step(loss_fn, base)
+        base, _ = in_memory(base, batch)
+        jax.block_until_ready(base)
+        times = []
+        for r in range(args.steps):
+            for which in (("nvme", "mem") if r % 2 == 0 else ("mem", "nvme")):
+                if which == "nvme":
+                    drop_cache(nvme)
+                    t = time.perf_counter()
+                    state, m = step(state, batch)
+                    float(m["loss"])
+                    times.append(time.perf_counter() - t)
+                else:
+                    t = time.perf_counter()
+                    base, mb = in_memory(base, batch)
+                    mem_losses.append(float(mb["loss"]))
+                    compute.append(time.perf_counter() - t)
+        step.close()
+        med, comp = float(np.median(times)), float(np.median(compute))
         print(f"per step: read {io_read / 1e9:.3f} GB, written {io_write / 1e9:.3f} GB -> {io:.2f} s at the disk's "
               f"speed; compute (same step in memory) {comp:.2f} s")
         print(f"step {med:.2f} s = {med / (io + comp):.2f}x (bytes / bandwidth + compute)   [goal <= 1.5x]   "
-              f"steps: {', '.join(f'{x:.2f}' for x in times)}")
-        print(f"peak RSS growth during the steps {grow / 2**30:.2f} GiB = {grow / slot:.2f}x the state on disk, "
-              f"{grow / machine:.3f}x the machine; of the process's memory the simulated devices use up to "
-              f"{devices_bytes / 2**30:.2f} GiB (compiled per-device peak x {state.plan.n}), GPU memory on a GPU")
+              f"interleaved rounds: {', '.join(f'{x:.2f}' for x in times)} against "
+              f"{', '.join(f'{x:.2f}' for x in compute)} in memory")
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

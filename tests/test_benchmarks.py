@@ -67,5 +67,5 @@ def test_muon_smoke_prints_every_contender():
 def test_bigger_than_memory_smoke_trains_and_prints_the_disk_figures():
     out = run("bigger_than_memory.py", "--smoke")
     assert "(falling)" in out, out
-    for figure in ("on disk", "disk: write", "per step: read", "x (bytes / bandwidth + compute)", "peak RSS growth"):
+    for figure in ("on disk", "disk: write", "per step: read", "x (bytes / bandwidth + compute)", "peak RSS during the steps"):
         assert figure in out, f"{figure!r} missing from:\n{out}"

@@ -77,6 +77,25 @@ def saved(tmp_path_factory):
     return directory, state
 
 
+def test_compressed_and_plain_steps_restore_alike(saved, tmp_path):
+    """Arrays are written uncompressed unless compress=True (zstd in the stored array's metadata);
+    either restores to the same state."""
+    from zerojax.checkpoint import _pieces
+
+    directory, state = saved
+    with CheckpointManager(tmp_path / "zstd", compress=True) as mngr:
+        mngr.save(2, state)
+    compressors = {}
+    for name, d in (("plain", directory), ("zstd", str(tmp_path / "zstd"))):
+        got, _ = zj.checkpoint.restore(d, abstract(8, stage=3, precision="bf16", param_persistence_threshold=0))
+        assert_same(got, state)
+        store = _pieces.open_array(os.path.join(d, "2", "state"), "params/dense/kernel", _pieces.context())
+        compressors[name] = store.spec().to_json()["metadata"]["compressor"]
+    assert compressors["plain"] is None and compressors["zstd"]["id"] == "zstd"
+    with pytest.raises(zj.ZeroJaxError, match="compress"):
+        CheckpointManager(tmp_path / "bad", compress="zstd")
+
+
 @pytest.mark.parametrize("n,stage,offload", [(4, 3, None), (2, 0, None), (1, 3, None), (8, 1, None),
                                              (8, 2, None), (4, 2, "cpu")])
 def test_restore_on_any_mesh_and_stage(saved, n, stage, offload):

@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import os
 from typing import Any
 
 import jax
@@ -76,6 +77,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import zerojax._placement as placement
+import zerojax.checkpoint._pieces as _pieces
 from zerojax._errors import CheckpointError
 from zerojax._plan import LeafLayout, ZeroPlan, path_str
 from zerojax._state import TrainState, state_shardings
@@ -313,6 +315,9 @@ def _item(flat: dict, param_ids, opt_ids, scalars: bool):
 # laid out before the next is read: a group is held about four times over at the peak (Orbax's
 # read buffer, its device copy, the laid-out leaves, the next group's read beginning), so the
 # host holds the restored state plus about the budget, not two or three copies of the state.
+# A leaf larger than a group is read in pieces of a group (in_pieces, _pieces.build_leaf) straight
+# into its device shards, which hold a piece at most three times (the read, its device copy, the
+# cast) beside one stored chunk.
 RESTORE_BUDGET = 1 << 30
 _GROUP_SHARE = 4
 
@@ -339,6 +344,64 @@ def read_groups(plan: ZeroPlan, opt, budget: int) -> list[tuple[list[int], list[
     return groups
 
 
+def in_pieces(plan: ZeroPlan, opt, group: int) -> tuple[set, set]:
+    """(param indices, optimizer-leaf indices) read in pieces rather than by Orbax: a param whose
+    bytes per process, with the optimizer leaves that mirror it, exceed a group (and the optimizer
+    leaves that mirror it), and an optimizer leaf that mirrors no param and exceeds a group alone.
+    Leaves under :data:`_pieces.MIN_PIECE` are always read whole."""
+    per_process = max(1, jax.process_count())
+    limit = max(group, _pieces.MIN_PIECE)
+    mirrors: dict = collections.defaultdict(list)
+    params, opt_ids = set(), set()
+    for j, (_, x, lay) in enumerate(opt):
+        if lay is not None:
+            mirrors[lay.path].append(j)
+        elif x.size * np.dtype(x.dtype).itemsize // per_process > limit:
+            opt_ids.add(j)
+    for i, lay in enumerate(plan.leaves):
+        if 4 * lay.size * (1 + len(mirrors[lay.path])) // per_process > limit:
+            params.add(i)
+            opt_ids.update(mirrors[lay.path])
+    return params, opt_ids
+
+
+def _read_in_pieces(state_dir: str, key: str, logical_shape, dests, piece: int, ctx):
+    """One stored leaf laid out as each of ``dests`` ((shape, dtype, sharding) each), read box by
+    box (:mod:`zerojax.checkpoint._pieces`); returns (arrays, checksum). A later destination with
+    the same shape and device shards as the first (the params of a stage-3 master) is cast from
+    it on the devices instead of read again."""
+    store = _pieces.open_array(state_dir, key, ctx)
+    out, checksum = [], None
+    try:
+        for k, (shape, dtype, sharding) in enumerate(dests):
+            if k and _same_shards(dests[0], (shape, dtype, sharding)):
+                out.append(_cast_like(out[0], np.dtype(dtype).name, sharding))
+                continue
+            arr, s = _pieces.build_leaf(store, tuple(logical_shape), tuple(shape), dtype, sharding, piece,
+                                        checksum=k == 0)
+            out.append(arr)
+            checksum = s if k == 0 else checksum
+    except CheckpointError:
+        raise
+    except Exception as e:  # tensorstore raises ValueError / OSError for a damaged or missing chunk
+        raise CheckpointError(f"cannot read {key} of checkpoint {os.path.dirname(state_dir)}: "
+                              f"{type(e).__name__}: {e}") from e
+    return out, checksum
+
+
+def _same_shards(a, b) -> bool:
+    (shape_a, _, sh_a), (shape_b, _, sh_b) = a, b
+    if tuple(shape_a) != tuple(shape_b) or sh_a.memory_kind != sh_b.memory_kind:
+        return False
+    return (sh_a.memory_kind in (None, "device")
+            and sh_a.devices_indices_map(tuple(shape_a)) == sh_b.devices_indices_map(tuple(shape_b)))
+
+
+def _cast_like(x, dtype: str, sharding):
+    key = ("restore-cast", dtype, sharding, x.sharding)
+    return cached_program(key, lambda: jax.jit(lambda a: a.astype(dtype), out_shardings=sharding))(x)
+
+
 def restore_state(step_dir: str, meta: dict, target: TrainState, read, budget: int | None = None):
     """(state in the target's layout, checksums) of a checkpoint step, read group by group
     (:func:`read_groups`) with ``read(step_dir, item, restore_args)``."""
@@ -351,7 +414,29 @@ def restore_state(step_dir: str, meta: dict, target: TrainState, read, budget: i
     params, master = [None] * len(plan.leaves), [None] * len(plan.leaves)
     opt_leaves, sums, scalars = [None] * len(opt), {}, None
     group = max(1, (RESTORE_BUDGET if budget is None else budget) // _GROUP_SHARE)
-    for g, (pi, oi) in enumerate(read_groups(plan, opt, group)):
+    big_params, big_opt = in_pieces(plan, opt, group)
+    groups = [([i for i in pi if i not in big_params], [j for j in oi if j not in big_opt])
+              for pi, oi in read_groups(plan, opt, group)]
+    groups = [grp for g, grp in enumerate(groups) if g == 0 or grp[0] or grp[1]]
+    if big_params or big_opt:
+        piece = max(group, _pieces.MIN_PIECE)
+        ctx, state_dir = _pieces.context(), os.path.join(step_dir, STATE)
+        for i in sorted(big_params):
+            lay = plan.leaves[i]
+            dests = []
+            if with_master:
+                dests.append((plan.master_shape(lay), np.float32, master_homes[i]))
+            dests.append((plan.param_shape(lay), plan.compute_dtype, param_homes[i]))
+            out, sums["params/" + lay.path] = _read_in_pieces(state_dir, "params/" + lay.path, lay.shape, dests,
+                                                              piece, ctx)
+            master[i], params[i] = (out[0], out[1]) if with_master else (None, out[0])
+        for j in sorted(big_opt):
+            path, x, lay = opt[j]
+            shape = plan.master_shape(lay) if lay is not None else tuple(x.shape)
+            (opt_leaves[j],), sums["opt_state/" + path] = _read_in_pieces(
+                state_dir, "opt_state/" + path, lay.shape if lay is not None else tuple(x.shape),
+                [(shape, x.dtype, opt_homes[j])], piece, ctx)
+    for g, (pi, oi) in enumerate(groups):
         item, restore_args = _item(flat, pi, oi, g == 0)
         restored = read(step_dir, item, restore_args)
         lays = [plan.leaves[i] for i in pi]

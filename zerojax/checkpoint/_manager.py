@@ -25,6 +25,7 @@ from zerojax.checkpoint._export import consolidate
 from zerojax.checkpoint._format import (DATA, META, MISMATCH, SAFETENSORS_16BIT, STATE, logical_tree,
                                        restore_state, verify)
 from zerojax.checkpoint._integrity import portable, seal
+from zerojax.checkpoint._pieces import CHUNK_BYTES
 from zerojax.checkpoint._steps import _scan, partial_dirs, pick_step, read_data, read_meta, read_state
 from zerojax._errors import CheckpointError, ConfigError, ZeroJaxError, ZeroJaxWarning
 from zerojax._state import TrainState
@@ -78,8 +79,11 @@ def restore(directory: str, target: TrainState, step: int | str | None = None, *
     1 GiB): the state is read in groups of leaves (a param with the optimizer leaves that mirror
     it) of a quarter of it, each laid out before the next is read, so the host's memory grows by
     the restored state plus about the budget, not by two or three copies of the state. A leaf
-    larger than a group is read whole. An abstract target (``zj.abstract_train_state``) holds
-    nothing beside it; a live target keeps its own arrays until it is dropped.
+    larger than a group (with its mirrors) is read in pieces of at most a quarter of the budget,
+    each written into the leaf's device shards before the next is read, so the bound holds
+    whatever the largest array (plus one stored chunk, at most 32 MiB in steps this version
+    writes). An abstract target (``zj.abstract_train_state``) holds nothing beside it; a live
+    target keeps its own arrays until it is dropped.
     """
     if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
         raise CheckpointError(f"restore(budget={budget!r}): use a positive number of bytes, e.g. 1 << 30")
@@ -264,7 +268,9 @@ class CheckpointManager:
                                   "under a new step number, or delete that step's directory first")
         tree, meta = logical_tree(state)
         meta = seal(meta, data_state)
-        args = ocp.args.Composite(**{STATE: ocp.args.PyTreeSave(tree), META: ocp.args.JsonSave(meta),
+        # stored chunks of a bounded size: a restore in pieces decodes one chunk beyond its piece
+        chunks = jax.tree_util.tree_map(lambda _: ocp.SaveArgs(chunk_byte_size=CHUNK_BYTES), tree)
+        args = ocp.args.Composite(**{STATE: ocp.args.PyTreeSave(tree, save_args=chunks), META: ocp.args.JsonSave(meta),
                                      DATA: ocp.args.JsonSave(data_state)})
         self._writing = step
         _watchdog.record("save begun", detail=f"step {step}")

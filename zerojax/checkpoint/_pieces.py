@@ -1,0 +1,192 @@
+"""One stored array read in pieces, for a leaf larger than the restore budget and for
+consolidation: tensorstore reads boxes of the array (each at most ``piece_bytes``, aligned to the
+stored chunks where they allow it) and every box goes straight into the destination, a device
+shard of the restored leaf or the consolidated file, before the next one is read. The host then
+holds one box (and the one stored chunk tensorstore decodes it from) beside the destination,
+never the whole leaf twice.
+
+    store = open_array(state_dir, "params/emb", context())
+    for box in boxes(lo, hi, itemsize, piece_bytes, align=chunk_shape(store)):
+        piece = read_box(store, box)        # a numpy array of the box's shape
+
+Arrays are written in chunks of at most :data:`CHUNK_BYTES` (Orbax's ``chunk_byte_size``) so
+that reading any box decodes at most one such chunk beyond the box itself.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import tensorstore as ts
+from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
+from jax.sharding import PartitionSpec as P
+
+from zerojax._errors import CheckpointError
+
+__all__ = ["CHUNK_BYTES", "MIN_PIECE", "boxes", "build_leaf", "chunk_shape", "context", "np_checksum",
+           "open_array", "read_box"]
+
+# the largest stored chunk (bytes) a save writes: a restore in pieces decodes one at a time
+CHUNK_BYTES = 32 << 20
+# pieces are never smaller than this, whatever the budget: smaller reads cost more than they save
+MIN_PIECE = 64 << 10
+
+
+def context() -> ts.Context:
+    """One tensorstore context per restore or consolidation (its OCDBT node cache is shared)."""
+    return ocp.type_handlers.get_ts_context(use_ocdbt=True)
+
+
+def _layout(state_dir: str) -> tuple[bool, bool]:
+    """(OCDBT, zarr3) of a stored PyTree item, from Orbax's own metadata file."""
+    try:
+        with open(os.path.join(state_dir, "_METADATA"), "rb") as f:
+            meta = json.loads(f.read())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"cannot read {os.path.join(state_dir, '_METADATA')} ({type(e).__name__}: {e}); the "
+                              "step is incomplete or damaged. Restore another step.") from None
+    return bool(meta.get("use_ocdbt", True)), bool(meta.get("use_zarr3", False))
+
+
+def open_array(state_dir: str, key: str, ctx: ts.Context):
+    """The tensorstore array of the leaf ``key`` ("params/emb", "opt_state/0/mu/emb")."""
+    use_ocdbt, use_zarr3 = _layout(state_dir)
+    info = ocp.type_handlers.ParamInfo(name=key.replace("/", "."), parent_dir=pathlib.Path(state_dir),
+                                       is_ocdbt_checkpoint=use_ocdbt, use_zarr3=use_zarr3, ts_context=ctx)
+    spec = ocp.type_handlers.get_json_tspec_read(info, use_ocdbt=use_ocdbt)
+    try:
+        return ts.open(spec, open=True, read=True, context=ctx).result()
+    except Exception as e:  # tensorstore raises ValueError / OSError for a missing or damaged array
+        raise CheckpointError(f"cannot read {key} of checkpoint {os.path.dirname(state_dir)}: "
+                              f"{type(e).__name__}: {e}") from e
+
+
+def chunk_shape(store) -> tuple[int, ...]:
+    return tuple(store.chunk_layout.read_chunk.shape)
+
+
+def read_box(store, box: tuple[slice, ...]) -> np.ndarray:
+    """The values of ``box`` (one slice per dimension) as a fresh numpy array."""
+    return store[box].read().result()
+
+
+def boxes(lo, hi, itemsize: int, piece_bytes: int, align=None):
+    """Boxes (tuples of slices) covering the region [lo, hi), in row-major order, each of at most
+    ``piece_bytes`` (a single element may be larger). The first dimension is cut where a box can
+    still hold whole rows, at multiples of ``align`` (the stored chunk shape) when a box holds a
+    whole chunk of rows; a row larger than a piece is cut along the next dimension, and so on.
+    Consecutive boxes are consecutive in the region's row-major order."""
+    lo, hi = tuple(int(v) for v in lo), tuple(int(v) for v in hi)
+    ndim = len(lo)
+    if any(h <= a for a, h in zip(lo, hi)):
+        return
+    if ndim == 0:
+        yield ()
+        return
+
+    def rest(k):
+        return tuple(slice(lo[i], hi[i]) for i in range(k, ndim))
+
+    def cut(prefix, k):
+        inner = itemsize * math.prod(hi[i] - lo[i] for i in range(k + 1, ndim))  # one index of dim k
+        if inner * (hi[k] - lo[k]) <= piece_bytes:
+            yield prefix + rest(k)
+            return
+        if inner > piece_bytes and k < ndim - 1:  # one index of dimension k is too large: cut below it
+            for i in range(lo[k], hi[k]):
+                yield from cut(prefix + (slice(i, i + 1),), k + 1)
+            return
+        step = max(1, piece_bytes // inner)
+        if align is not None and 0 < align[k] <= step:
+            step -= step % align[k]
+        a = lo[k]
+        while a < hi[k]:
+            b = min(hi[k], (a // step + 1) * step)
+            yield prefix + (slice(a, b),) + rest(k + 1)
+            a = b
+
+    yield from cut((), 0)
+
+
+def np_checksum(x: np.ndarray) -> int:
+    """The checkpoint's per-leaf checksum (format._checksum) of some of a leaf's values, on the
+    host: the sum of their bit patterns, wrapping in uint32, so the sums of pieces add up."""
+    x = np.ascontiguousarray(x)
+    if x.dtype == np.bool_ or x.dtype.itemsize == 1:
+        return int(x.astype(np.uint32).sum(dtype=np.uint32))
+    if x.dtype.itemsize == 2:
+        return int(x.view(np.uint16).sum(dtype=np.uint32))
+    return int(x.view(np.uint32).sum(dtype=np.uint32))
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _put(buf, piece, starts):
+    """``piece`` written into ``buf`` at ``starts``, in place (``buf`` is donated)."""
+    return jax.lax.dynamic_update_slice(buf, piece.astype(buf.dtype), starts)
+
+
+def _bounds(index, shape):
+    lo = tuple(0 if s.start is None else s.start for s in index)
+    hi = tuple(d if s.stop is None else s.stop for s, d in zip(index, shape))
+    return lo, hi
+
+
+def _first_holders(sharding, shape) -> set:
+    """The devices that count each distinct shard once (the first holder of each index, in the
+    sharding's device order: the same in every process)."""
+    seen, first = set(), set()
+    for dev, index in sharding.devices_indices_map(tuple(shape)).items():
+        key = _bounds(index, shape)
+        if key not in seen:
+            seen.add(key)
+            first.add(dev)
+    return first
+
+
+def _global_sum(sharding, partial: dict) -> jax.Array:
+    """The uint32 sum over every process of the per-device ``partial`` sums, replicated."""
+    devices = sorted(sharding.device_set, key=lambda d: d.id)
+    mesh = Mesh(np.array(devices), ("i",))
+    local = [jax.device_put(np.array([partial.get(d, 0) % (1 << 32)], np.uint32), d)
+             for d in devices if d.process_index == jax.process_index()]
+    parts = jax.make_array_from_single_device_arrays((len(devices),), NamedSharding(mesh, P("i")), local)
+    return _sum(parts, NamedSharding(mesh, P()))
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _sum(parts, out):
+    return jax.lax.with_sharding_constraint(jnp.sum(parts, dtype=jnp.uint32), out)
+
+
+def build_leaf(store, logical_shape, shape, dtype, sharding, piece_bytes: int, checksum: bool):
+    """The leaf read from ``store`` laid out as ``shape`` / ``dtype`` / ``sharding`` (zeros past
+    ``logical_shape``: the padding of a split dimension), one device shard at a time and each
+    shard box by box. Returns (array, checksum of the logical values as a replicated uint32
+    scalar, or None)."""
+    itemsize = np.dtype(store.dtype.numpy_dtype).itemsize
+    align = chunk_shape(store)
+    first = _first_holders(sharding, shape) if checksum else set()
+    kind = sharding.memory_kind
+    sums, shards = {}, []
+    for dev, index in sharding.addressable_devices_indices_map(tuple(shape)).items():
+        lo, hi = _bounds(index, shape)
+        buf = jnp.zeros(tuple(h - a for a, h in zip(lo, hi)), dtype, device=SingleDeviceSharding(dev))
+        cut_hi = tuple(min(h, n) for h, n in zip(hi, logical_shape))
+        for box in boxes(lo, cut_hi, itemsize, piece_bytes, align):
+            piece = read_box(store, box)
+            if dev in first:
+                sums[dev] = (sums.get(dev, 0) + np_checksum(piece)) % (1 << 32)
+            buf = _put(buf, jax.device_put(piece, dev), tuple(np.int32(s.start - a) for s, a in zip(box, lo)))
+            del piece
+        if kind not in (None, "device"):
+            buf = jax.device_put(buf, SingleDeviceSharding(dev, memory_kind=kind))
+        shards.append(buf)
+    out = jax.make_array_from_single_device_arrays(tuple(shape), sharding, shards)
+    return out, (_global_sum(sharding, sums) if checksum else None)

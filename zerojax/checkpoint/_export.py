@@ -108,6 +108,7 @@ def consolidate(checkpoint_dir, out, dtype: str = "float32", format: str = "safe
                 for x in pieces(path, info):  # row-major boxes: the leaf's bytes in order
                     f.write(np.ascontiguousarray(x).view(np.uint8).reshape(-1).data)
                     del x
+                    _pieces.release()
             f.flush()
             os.fsync(f.fileno())
         except BaseException:

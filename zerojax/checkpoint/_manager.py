@@ -81,7 +81,7 @@ def restore(directory: str, target: TrainState, step: int | str | None = None, *
     the restored state plus about the budget, not by two or three copies of the state. A leaf
     larger than a group (with its mirrors) is read in pieces of at most a quarter of the budget,
     each written into the leaf's device shards before the next is read, so the bound holds
-    whatever the largest array (plus one stored chunk, at most 32 MiB in steps this version
+    whatever the largest array (plus one stored chunk, at most 8 MiB in steps this version
     writes). An abstract target (``zj.abstract_train_state``) holds nothing beside it; a live
     target keeps its own arrays until it is dropped.
     """

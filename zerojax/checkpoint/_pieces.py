@@ -14,6 +14,8 @@ that reading any box decodes at most one such chunk beyond the box itself.
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import functools
 import json
 import math
@@ -28,20 +30,23 @@ import tensorstore as ts
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
+from zerojax._compat import shard_map
 from zerojax._errors import CheckpointError
 
 __all__ = ["CHUNK_BYTES", "MIN_PIECE", "boxes", "build_leaf", "chunk_shape", "context", "np_checksum",
            "open_array", "read_box"]
 
 # the largest stored chunk (bytes) a save writes: a restore in pieces decodes one at a time
-CHUNK_BYTES = 32 << 20
+CHUNK_BYTES = 8 << 20
 # pieces are never smaller than this, whatever the budget: smaller reads cost more than they save
 MIN_PIECE = 64 << 10
 
 
 def context() -> ts.Context:
-    """One tensorstore context per restore or consolidation (its OCDBT node cache is shared)."""
-    return ocp.type_handlers.get_ts_context(use_ocdbt=True)
+    """One tensorstore context per restore or consolidation: Orbax's file concurrency, and an OCDBT
+    node cache of one chunk's size (Orbax's default keeps up to 100 MB of nodes beside the pieces,
+    which a read that visits every key once does not need)."""
+    return ts.Context({"file_io_concurrency": {"limit": 128}, "cache_pool#ocdbt": {"total_bytes_limit": CHUNK_BYTES}})
 
 
 def _layout(state_dir: str) -> tuple[bool, bool]:
@@ -66,6 +71,24 @@ def open_array(state_dir: str, key: str, ctx: ts.Context):
     except Exception as e:  # tensorstore raises ValueError / OSError for a missing or damaged array
         raise CheckpointError(f"cannot read {key} of checkpoint {os.path.dirname(state_dir)}: "
                               f"{type(e).__name__}: {e}") from e
+
+
+def _libc_trim():
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc: nothing to hand back this way
+        return None
+
+
+_TRIM = _libc_trim()
+
+
+def release() -> None:
+    """Hand the pages of freed read buffers back to the system. glibc serves allocations below
+    its mmap threshold (which grows to 32 MiB once such a buffer is freed) from heaps it keeps,
+    so without this the process's resident size keeps every piece it ever read."""
+    if _TRIM is not None:
+        _TRIM(0)
 
 
 def chunk_shape(store) -> tuple[int, ...]:
@@ -165,28 +188,100 @@ def _sum(parts, out):
     return jax.lax.with_sharding_constraint(jnp.sum(parts, dtype=jnp.uint32), out)
 
 
+@functools.lru_cache(maxsize=64)
+def _put_all(sharding: NamedSharding):
+    """``piece`` written into every device's shard of ``buf`` at the same local ``starts``, in
+    place: one program for the whole mesh (a program per device costs a compile each)."""
+    body = lambda buf, piece, starts: jax.lax.dynamic_update_slice(buf, piece.astype(buf.dtype), starts)
+    spec = sharding.spec
+    return jax.jit(shard_map(body, sharding.mesh, in_specs=(spec, spec, P()), out_specs=spec), donate_argnums=0)
+
+
+@functools.lru_cache(maxsize=64)
+def _zeros(shape, dtype: str, sharding):
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+
+
 def build_leaf(store, logical_shape, shape, dtype, sharding, piece_bytes: int, checksum: bool):
     """The leaf read from ``store`` laid out as ``shape`` / ``dtype`` / ``sharding`` (zeros past
-    ``logical_shape``: the padding of a split dimension), one device shard at a time and each
-    shard box by box. Returns (array, checksum of the logical values as a replicated uint32
-    scalar, or None)."""
+    ``logical_shape``: the padding of a split dimension), box by box. Returns (array, checksum of
+    the logical values as a replicated uint32 scalar, or None).
+
+    When every device holds a shard of one shape in device memory (a NamedSharding: what a
+    restore target uses), each step reads the same local box of every device's shard and writes
+    them all with one program; otherwise (host memory, uneven shards) one device shard is built
+    at a time and moved to its memory once complete."""
+    shape, logical_shape = tuple(shape), tuple(logical_shape)
     itemsize = np.dtype(store.dtype.numpy_dtype).itemsize
-    align = chunk_shape(store)
+    bounds = {dev: _bounds(index, shape) for dev, index in sharding.addressable_devices_indices_map(shape).items()}
     first = _first_holders(sharding, shape) if checksum else set()
+    local = {tuple(h - a for a, h in zip(lo, hi)) for lo, hi in bounds.values()}
+    sums: dict = {}
+    if (isinstance(sharding, NamedSharding) and len(local) == 1 and sharding.memory_kind in (None, "device")
+            and len(shape) > 0):
+        out = _build_whole_mesh(store, logical_shape, shape, dtype, sharding, piece_bytes, itemsize, bounds,
+                                local.pop(), first, sums)
+    else:
+        out = _build_by_device(store, logical_shape, shape, dtype, sharding, piece_bytes, itemsize, bounds,
+                               first, sums)
+    return out, (_global_sum(sharding, sums) if checksum else None)
+
+
+def _read_part(store, logical_shape, region, box_shape, dtype):
+    """``region`` (global slices) of the stored leaf as an array of ``box_shape``: the part past
+    ``logical_shape`` (split-dimension padding) is zeros."""
+    cut = tuple(slice(r.start, min(r.stop, n)) for r, n in zip(region, logical_shape))
+    if any(c.stop <= c.start for c in cut):
+        return np.zeros(box_shape, dtype)
+    x = read_box(store, cut)
+    if x.shape != tuple(box_shape):
+        full = np.zeros(box_shape, x.dtype)
+        full[tuple(slice(0, n) for n in x.shape)] = x
+        x = full
+    return x
+
+
+def _build_whole_mesh(store, logical_shape, shape, dtype, sharding, piece_bytes, itemsize, bounds, local,
+                      first, sums):
+    counts = tuple(n // m for n, m in zip(shape, local))  # shards along each dimension
+    buf = _zeros(shape, np.dtype(dtype).name, sharding)()
+    put = _put_all(sharding)
+    # the boxes of all local devices are in host memory together: each is a share of a piece
+    per_device = max(piece_bytes // max(1, len(bounds)), MIN_PIECE // 16)
+    for box in boxes((0,) * len(shape), local, itemsize, per_device, chunk_shape(store)):
+        box_shape = tuple(b.stop - b.start for b in box)
+        parts, read = [], {}
+        for dev, (lo, _) in bounds.items():
+            if lo not in read:  # replicas of one shard read it once
+                region = tuple(slice(a + b.start, a + b.stop) for a, b in zip(lo, box))
+                read[lo] = _read_part(store, logical_shape, region, box_shape, store.dtype.numpy_dtype)
+            if dev in first:
+                sums[dev] = (sums.get(dev, 0) + np_checksum(read[lo])) % (1 << 32)
+            parts.append(jax.device_put(read[lo], dev))
+        del read
+        piece = jax.make_array_from_single_device_arrays(
+            tuple(n * c for n, c in zip(box_shape, counts)), sharding, parts)
+        del parts
+        buf = put(buf, piece, tuple(np.int32(b.start) for b in box))
+        del piece
+        release()
+    return buf
+
+
+def _build_by_device(store, logical_shape, shape, dtype, sharding, piece_bytes, itemsize, bounds, first, sums):
     kind = sharding.memory_kind
-    sums, shards = {}, []
-    for dev, index in sharding.addressable_devices_indices_map(tuple(shape)).items():
-        lo, hi = _bounds(index, shape)
+    shards = []
+    for dev, (lo, hi) in bounds.items():
         buf = jnp.zeros(tuple(h - a for a, h in zip(lo, hi)), dtype, device=SingleDeviceSharding(dev))
         cut_hi = tuple(min(h, n) for h, n in zip(hi, logical_shape))
-        for box in boxes(lo, cut_hi, itemsize, piece_bytes, align):
+        for box in boxes(lo, cut_hi, itemsize, piece_bytes, chunk_shape(store)):
             piece = read_box(store, box)
             if dev in first:
                 sums[dev] = (sums.get(dev, 0) + np_checksum(piece)) % (1 << 32)
             buf = _put(buf, jax.device_put(piece, dev), tuple(np.int32(s.start - a) for s, a in zip(box, lo)))
             del piece
+            release()
         if kind not in (None, "device"):
             buf = jax.device_put(buf, SingleDeviceSharding(dev, memory_kind=kind))
         shards.append(buf)
-    out = jax.make_array_from_single_device_arrays(tuple(shape), sharding, shards)
-    return out, (_global_sum(sharding, sums) if checksum else None)
+    return jax.make_array_from_single_device_arrays(shape, sharding, shards)

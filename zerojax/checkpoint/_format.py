@@ -185,8 +185,9 @@ def cached_program(key, make):
     return program
 
 
-def _save_program(plan: ZeroPlan, tx, with_master: bool, opt, scaler_keys):
-    """The jitted state -> (logical tree, checksums) of a save; closes over layouts only."""
+def _save_program(plan: ZeroPlan, tx, with_master: bool, opt, scaler_keys, checksums: bool = True):
+    """The jitted state -> (logical tree, checksums) of a save; closes over layouts only. Without
+    ``checksums`` the program returns {} for them (the host sums the tree: see logical_tree)."""
     homes = state_shardings(plan, tx)
     src_homes = homes.master if with_master else homes.params
     opt_meta = [(path, lay) for path, _, lay in opt]
@@ -215,7 +216,7 @@ def _save_program(plan: ZeroPlan, tx, with_master: bool, opt, scaler_keys):
         tree = {"params": params, "opt_state": opt_out, "step": step,
                 "loss_scale": _scaler_dict(loss_scale), "rng": rng}
         # fresh buffers: the step donates the state while the write may still be reading
-        return jax.tree_util.tree_map(lambda a: jnp.array(a, copy=True), tree), sums
+        return jax.tree_util.tree_map(lambda a: jnp.array(a, copy=True), tree), (sums if checksums else {})
 
     rep = NamedSharding(plan.mesh, P())
     opt_out_sh = {path: _disk_sharding(plan, lay) if lay is not None else _device(home)
@@ -232,12 +233,20 @@ def logical_tree(state: TrainState):
     # the fp32 master when the state has one (not when the step keeps it: NVMe, ZenFlow)
     with_master = state.master is not None
     opt = _opt_entries(plan, state.opt_state)
-    key = ("save", with_master, tuple(_scaler_dict(state.loss_scale))) + layout_key(plan, state.opt_state)
+    # On CPU devices the arrays written are host memory already: numpy sums them several times
+    # faster than XLA:CPU reduces them on each simulated device (the padding of a split dimension
+    # is zeros, so the written array sums to its logical values' checksum). An accelerator sums
+    # its own shards in the save program.
+    on_host = all(d.platform == "cpu" for d in plan.mesh.devices.flat)
+    key = ("save", with_master, on_host, tuple(_scaler_dict(state.loss_scale))) + layout_key(plan, state.opt_state)
     program = cached_program(key, lambda: _save_program(plan, state.tx, with_master, opt,
-                                                        tuple(_scaler_dict(state.loss_scale))))
+                                                        tuple(_scaler_dict(state.loss_scale)), not on_host))
     src = state.master if with_master else state.params
     opt_leaves = [x for _, x, _ in opt]
     flat, sums = program(src, opt_leaves, state.step, state.loss_scale, state.rng)
+    if on_host:
+        sums = _pieces.host_checksums({**{"params/" + k: v for k, v in flat["params"].items()},
+                                       **{"opt_state/" + k: v for k, v in flat["opt_state"].items()}})
     meta = {
         "format": FORMAT,
         "saved_with": {"stage": plan.stage, "devices": plan.n, "processes": jax.process_count(),

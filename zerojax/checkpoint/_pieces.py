@@ -33,8 +33,8 @@ from jax.sharding import PartitionSpec as P
 from zerojax._compat import shard_map
 from zerojax._errors import CheckpointError
 
-__all__ = ["CHUNK_BYTES", "MIN_PIECE", "boxes", "build_leaf", "chunk_shape", "context", "np_checksum",
-           "open_array", "read_box"]
+__all__ = ["CHUNK_BYTES", "MIN_PIECE", "boxes", "build_leaf", "chunk_shape", "context", "host_checksums",
+           "np_checksum", "open_array", "read_box", "release"]
 
 # the largest stored chunk (bytes) a save writes: a restore in pieces decodes one at a time
 CHUNK_BYTES = 8 << 20
@@ -147,6 +147,26 @@ def np_checksum(x: np.ndarray) -> int:
     if x.dtype.itemsize == 2:
         return int(x.view(np.uint16).sum(dtype=np.uint32))
     return int(x.view(np.uint32).sum(dtype=np.uint32))
+
+
+def host_checksums(arrays: dict) -> dict:
+    """The checksum (format._checksum) of each jax array in ``arrays``, summed by numpy over its
+    distinct shards (zero-copy views of CPU devices' buffers) and over every process."""
+    keys = list(arrays)
+    partial = np.zeros(len(keys), np.uint32)
+    for k, key in enumerate(keys):
+        x = arrays[key]
+        first = _first_holders(x.sharding, x.shape)
+        total = 0
+        for shard in x.addressable_shards:
+            if shard.device in first:
+                total += np_checksum(np.asarray(shard.data))
+        partial[k] = total % (1 << 32)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        partial = np.asarray(multihost_utils.process_allgather(partial)).sum(axis=0, dtype=np.uint32)
+    return {key: int(v) for key, v in zip(keys, partial)}
 
 
 @functools.partial(jax.jit, donate_argnums=0)

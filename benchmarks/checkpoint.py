@@ -254,14 +254,15 @@ def memory_main(args) -> None:
         del state
         nbytes = du(os.path.join(ckpt, "1"))
         print(f"checkpoint {nbytes / 1e6:.0f} MB, largest leaf {largest / 1e6:.0f} MB (width {width}, "
-              f"{layers} layers); budgets down to {small / 2 ** 20:.0f} MiB = largest leaf / 4", flush=True)
+              f"{layers} layers); budgets down to {small / 2 ** 20:.3g} MiB = largest leaf / 4", flush=True)
         tiny = os.path.join(root, "tiny")
         save_checkpoint(tiny, 8, 1, saves=1, compress=args.compress)
-        budgets = [("whole state at once", 1 << 40), ("default, 1 GiB", 0), (f"{small / 2 ** 20:.0f} MiB", small)]
+        label = f"{small >> 20} MiB" if small >= 1 << 20 else f"{small >> 10} KiB"
+        budgets = [("whole state at once", 1 << 40), ("default, 1 GiB", 0), (label, small)]
         rows = memory_rows(ckpt, width, layers, budgets, nbytes, warm=tiny)
         peak, cons_s = consolidate_peak(ckpt, os.path.join(root, "model.safetensors"), budget=small)
         base, _ = consolidate_peak(tiny, os.path.join(root, "tiny.safetensors"), budget=small)
-        print(f"consolidate with budget {small / 2 ** 20:.0f} MiB: peak RSS {(peak - base) / 1e6:.0f} MB above "
+        print(f"consolidate with budget {label}: peak RSS {(peak - base) / 1e6:.0f} MB above "
               f"baseline = {(peak - base) / largest:.2f}x the largest leaf ({largest / 1e6:.0f} MB) in {cons_s:.1f} s")
     finally:
         shutil.rmtree(root, ignore_errors=True)

@@ -77,19 +77,22 @@ def saved(tmp_path_factory):
     return directory, state
 
 
-def test_checksums_summed_on_the_host_equal_the_save_programs(saved):
-    """On CPU devices the save sums the written arrays with numpy; an accelerator sums them in the
-    save program. Both give the same checksums (the split dimension's padding adds zeros)."""
+def test_checksums_summed_on_the_host_equal_the_programs(saved, tmp_path, monkeypatch):
+    """On CPU devices save and restore sum the checksums with numpy; an accelerator sums them in
+    the save and restore programs. Both give the same checksums (a split dimension's padding adds
+    zeros): a step saved one way verifies when restored the other way."""
     from zerojax.checkpoint import _format as fmt
 
-    _, state = saved
-    _, meta = fmt.logical_tree(state)
-    opt = fmt._opt_entries(state.plan, state.opt_state)
-    scaler = tuple(fmt._scaler_dict(state.loss_scale))
-    program = fmt._save_program(state.plan, state.tx, state.master is not None, opt, scaler, True)
-    _, sums = program(state.master, [x for _, x, _ in opt], state.step, state.loss_scale, state.rng)
-    assert meta["checksums"] == {k: int(v) for k, v in jax.device_get(sums).items()}
-    assert any(lay.pad for lay in state.plan.leaves)  # padded leaves are among them
+    directory, state = saved
+    assert fmt.sums_on_host(state.plan) and any(lay.pad for lay in state.plan.leaves)
+    _, on_host = fmt.logical_tree(state)
+    monkeypatch.setattr(fmt, "sums_on_host", lambda plan: False)
+    _, in_program = fmt.logical_tree(state)
+    assert on_host["checksums"] == in_program["checksums"]
+    for budget in (None, 1):  # the saved step (host sums) verifies with the programs' sums
+        got, _ = zj.checkpoint.restore(directory, abstract(4, stage=3, precision="bf16", param_persistence_threshold=0),
+                                       budget=budget)
+        assert_same(got, state)
 
 
 def test_compressed_and_plain_steps_restore_alike(saved, tmp_path):

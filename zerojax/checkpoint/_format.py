@@ -185,6 +185,14 @@ def cached_program(key, make):
     return program
 
 
+def sums_on_host(plan: ZeroPlan) -> bool:
+    """Whether a save or restore sums the checksums with numpy rather than in its program: on CPU
+    devices, whose arrays are host memory already, numpy sums them many times faster than XLA:CPU
+    reduces them on each simulated device (the padding of a split dimension is zeros, so a padded
+    array sums to its logical values' checksum). An accelerator sums its shards in the program."""
+    return all(d.platform == "cpu" for d in plan.mesh.devices.flat)
+
+
 def _save_program(plan: ZeroPlan, tx, with_master: bool, opt, scaler_keys, checksums: bool = True):
     """The jitted state -> (logical tree, checksums) of a save; closes over layouts only. Without
     ``checksums`` the program returns {} for them (the host sums the tree: see logical_tree)."""
@@ -233,11 +241,7 @@ def logical_tree(state: TrainState):
     # the fp32 master when the state has one (not when the step keeps it: NVMe, ZenFlow)
     with_master = state.master is not None
     opt = _opt_entries(plan, state.opt_state)
-    # On CPU devices the arrays written are host memory already: numpy sums them several times
-    # faster than XLA:CPU reduces them on each simulated device (the padding of a split dimension
-    # is zeros, so the written array sums to its logical values' checksum). An accelerator sums
-    # its own shards in the save program.
-    on_host = all(d.platform == "cpu" for d in plan.mesh.devices.flat)
+    on_host = sums_on_host(plan)
     key = ("save", with_master, on_host, tuple(_scaler_dict(state.loss_scale))) + layout_key(plan, state.opt_state)
     program = cached_program(key, lambda: _save_program(plan, state.tx, with_master, opt,
                                                         tuple(_scaler_dict(state.loss_scale)), not on_host))
@@ -423,6 +427,7 @@ def restore_state(step_dir: str, meta: dict, target: TrainState, read, budget: i
     params, master = [None] * len(plan.leaves), [None] * len(plan.leaves)
     opt_leaves, sums, scalars = [None] * len(opt), {}, None
     group = max(1, (RESTORE_BUDGET if budget is None else budget) // _GROUP_SHARE)
+    on_host = sums_on_host(plan)
     big_params, big_opt = in_pieces(plan, opt, group)
     groups = [([i for i in pi if i not in big_params], [j for j in oi if j not in big_opt])
               for pi, oi in read_groups(plan, opt, group)]
@@ -454,12 +459,18 @@ def restore_state(step_dir: str, meta: dict, target: TrainState, read, budget: i
                tuple(dataclasses.replace(lay, path="") for lay in lays),
                tuple((None if lay is None else dataclasses.replace(lay, path=""), np.dtype(dt).name)
                      for lay, dt in opt_meta),
-               tuple(param_homes[i] for i in pi), tuple(master_homes[i] for i in pi), tuple(opt_homes[j] for j in oi))
+               tuple(param_homes[i] for i in pi), tuple(master_homes[i] for i in pi), tuple(opt_homes[j] for j in oi),
+               on_host)
         program = cached_program(key, lambda: _restore_program(
             plan, lays, opt_meta, [param_homes[i] for i in pi], [master_homes[i] for i in pi],
-            [opt_homes[j] for j in oi], with_master))
-        (p, m, o), s = program([lookup(restored["params"], lay.path) for lay in lays],
-                               [lookup(restored["opt_state"], opt[j][0]) for j in oi])
+            [opt_homes[j] for j in oi], with_master, not on_host))
+        read_params = [lookup(restored["params"], lay.path) for lay in lays]
+        read_opt = [lookup(restored["opt_state"], opt[j][0]) for j in oi]
+        (p, m, o), s = program(read_params, read_opt)
+        if on_host:  # the arrays read are zeros past the logical region, so they sum to its checksum
+            s = _pieces.host_checksums({**{("p", k): x for k, x in enumerate(read_params)},
+                                        **{("o", k): x for k, x in enumerate(read_opt)}})
+            s = ([s[("p", k)] for k in range(len(pi))], [s[("o", k)] for k in range(len(oi))])
         for k, i in enumerate(pi):
             params[i], master[i] = p[k], m[k]
             sums["params/" + plan.leaves[i].path] = s[0][k]
@@ -481,16 +492,19 @@ def restore_state(step_dir: str, meta: dict, target: TrainState, read, budget: i
     return state, sums
 
 
-def _restore_program(plan: ZeroPlan, lays, opt_meta, param_homes, master_homes, opt_homes, with_master: bool):
+def _restore_program(plan: ZeroPlan, lays, opt_meta, param_homes, master_homes, opt_homes, with_master: bool,
+                     checksums: bool = True):
     """The jitted (a group's logical arrays) -> ((params, masters, optimizer leaves), checksums);
-    closes over layouts only (no leaf names: identical layers share one program)."""
+    closes over layouts only (no leaf names: identical layers share one program). Without
+    ``checksums`` they are zeros (the host sums the arrays read: see restore_state)."""
     cdt = plan.compute_dtype
+    _sum = _checksum if checksums else (lambda x: jnp.uint32(0))
 
     def build(flat_params, flat_opt):
         params, master, psums = [], [], []
         for lay, x in zip(lays, flat_params):
             logical = placement.unpad(x, lay)
-            psums.append(_checksum(logical))
+            psums.append(_sum(logical))
             params.append(placement.pad(logical.astype(cdt), lay) if lay.params_partitioned else logical.astype(cdt))
             master.append((placement.pad(logical, lay) if plan.opt_partitioned(lay) else logical)
                           if with_master else None)
@@ -498,10 +512,10 @@ def _restore_program(plan: ZeroPlan, lays, opt_meta, param_homes, master_homes, 
         for (lay, dt), x in zip(opt_meta, flat_opt):
             if lay is not None:
                 x = placement.unpad(x, lay)
-                osums.append(_checksum(x))
+                osums.append(_sum(x))
                 x = placement.pad(x, lay) if plan.opt_partitioned(lay) else x
             else:
-                osums.append(_checksum(x))
+                osums.append(_sum(x))
             opt_leaves.append(x.astype(dt))
         return (params, master, opt_leaves), (psums, osums)
 

@@ -11,11 +11,12 @@ consolidation's and restore's peak memory.
 Save: ``CheckpointManager.save`` + ``wait_until_finished`` of a stage-3 bf16 AdamW state on 8
 simulated devices (fp32 master + two moments are written), three times in a row into fresh
 steps. The 1st save traces and compiles the save program; the 3rd reuses it, so it costs the
-copy and the write only (goal: the 3rd at most a quarter of the 1st). The throughput is the 3rd
-save's. Restore: onto a 4-device stage-2 mesh. Both are in GB/s of checkpoint bytes, next to
-numpy writing (with fsync) and reading a file of the same size in the same directory, in
-``--rounds`` rounds that interleave a save, a raw write, a restore and a raw read, so a busy
-machine slows both sides alike; the ratios (goal: >= 0.8) are the rounds' medians. Before each
+copy and the write only (goal: the 3rd at most a quarter of the 1st). Throughput: further saves
+(call + wait, programs compiled) and restores onto a 4-device stage-2 mesh, in GB/s of checkpoint
+bytes, next to numpy writing (with fsync) and reading a file of the same size in the same
+directory, in ``--rounds`` rounds that interleave a save, a raw write, a restore and a raw read
+(the order flipped every other round), so a busy machine slows both sides alike; the ratios
+(goal: >= 0.8) are the rounds' medians. Before each
 read the page cache of the files is dropped (posix_fadvise DONTNEED), so reads come from the disk
 where the kernel allows it.
 

@@ -417,7 +417,8 @@ def _cast_like(x, dtype: str, sharding):
 
 def restore_state(step_dir: str, meta: dict, target: TrainState, read, budget: int | None = None):
     """(state in the target's layout, checksums) of a checkpoint step, read group by group
-    (:func:`read_groups`) with ``read(step_dir, item, restore_args)``."""
+    (:func:`read_groups`) with ``read(step_dir, item, restore_args)``; the leaves larger than a
+    group (:func:`in_pieces`) are read box by box through tensorstore first."""
     plan = target.plan
     flat, opt, homes = _flat_spec(meta, target)
     with_master = target.master is not None

@@ -77,6 +77,43 @@ def saved(tmp_path_factory):
     return directory, state
 
 
+def test_checksums_summed_on_the_host_equal_the_programs(saved, tmp_path, monkeypatch):
+    """On CPU devices save and restore sum the checksums with numpy; an accelerator sums them in
+    the save and restore programs. Both give the same checksums (a split dimension's padding adds
+    zeros): a step saved one way verifies when restored the other way."""
+    from zerojax.checkpoint import _format as fmt
+
+    directory, state = saved
+    assert fmt.sums_on_host(state.plan) and any(lay.pad for lay in state.plan.leaves)
+    _, on_host = fmt.logical_tree(state)
+    monkeypatch.setattr(fmt, "sums_on_host", lambda plan: False)
+    _, in_program = fmt.logical_tree(state)
+    assert on_host["checksums"] == in_program["checksums"]
+    for budget in (None, 1):  # the saved step (host sums) verifies with the programs' sums
+        got, _ = zj.checkpoint.restore(directory, abstract(4, stage=3, precision="bf16", param_persistence_threshold=0),
+                                       budget=budget)
+        assert_same(got, state)
+
+
+def test_compressed_and_plain_steps_restore_alike(saved, tmp_path):
+    """Arrays are written uncompressed unless compress=True (zstd in the stored array's metadata);
+    either restores to the same state."""
+    from zerojax.checkpoint import _pieces
+
+    directory, state = saved
+    with CheckpointManager(tmp_path / "zstd", compress=True) as mngr:
+        mngr.save(2, state)
+    compressors = {}
+    for name, d in (("plain", directory), ("zstd", str(tmp_path / "zstd"))):
+        got, _ = zj.checkpoint.restore(d, abstract(8, stage=3, precision="bf16", param_persistence_threshold=0))
+        assert_same(got, state)
+        store = _pieces.open_array(os.path.join(d, "2", "state"), "params/dense/kernel", _pieces.context())
+        compressors[name] = store.spec().to_json()["metadata"]["compressor"]
+    assert compressors["plain"] is None and compressors["zstd"]["id"] == "zstd"
+    with pytest.raises(zj.ZeroJaxError, match="compress"):
+        CheckpointManager(tmp_path / "bad", compress="zstd")
+
+
 @pytest.mark.parametrize("n,stage,offload", [(4, 3, None), (2, 0, None), (1, 3, None), (8, 1, None),
                                              (8, 2, None), (4, 2, "cpu")])
 def test_restore_on_any_mesh_and_stage(saved, n, stage, offload):

@@ -2,6 +2,7 @@
 consolidation into one file (see :mod:`zerojax.checkpoint._format` for the on-disk format).
 
     format.py   the on-disk layout, metadata, checksums, logical_tree and the relayout for restore
+    pieces.py   a stored array read box by box (leaves larger than the restore budget, consolidation)
     integrity.py the digests of the JSON files (metadata, data state) and reading them verified
     steps.py    which steps on disk are complete; reading a step's metadata, data state and state
     export.py   consolidate: the params of one step into one safetensors or Orbax file

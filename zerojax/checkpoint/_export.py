@@ -9,10 +9,10 @@ import struct as _struct
 
 import jax.numpy as jnp
 import numpy as np
-import orbax.checkpoint as ocp
 
-from zerojax.checkpoint._format import lookup, nest
-from zerojax.checkpoint._steps import checkpointer, pick_step, read_meta, read_state
+import zerojax.checkpoint._pieces as _pieces
+from zerojax.checkpoint._format import _GROUP_SHARE, RESTORE_BUDGET, STATE, nest
+from zerojax.checkpoint._steps import checkpointer, pick_step, read_meta
 from zerojax._errors import CheckpointError, ConfigError
 
 __all__ = ["consolidate"]
@@ -24,29 +24,36 @@ def _safetensors_name(path: str) -> str:
     return path.replace("/", ".")
 
 
-def _read_leaf(step_dir: str, path: str, shape) -> np.ndarray:
-    """One param leaf into host memory as numpy (no device copy), sliced to its logical ``shape``."""
-    item = {"params": nest({path: 0})}
-    args = {"params": nest({path: ocp.RestoreArgs(restore_type=np.ndarray)})}
-    x = lookup(read_state(step_dir, item, args, this_process_only=True)["params"], path)
-    if tuple(x.shape) != tuple(shape):  # split dimension padded by the saving mesh
-        x = x[tuple(slice(0, s) for s in shape)]
-    return np.ascontiguousarray(x)
+def _pieces_of(step_dir: str, path: str, shape, piece: int, ctx):
+    """The logical values of the param ``path`` as numpy pieces (row-major boxes of at most
+    ``piece`` bytes) and a function returning the checksum of the pieces yielded so far."""
+    store = _pieces.open_array(os.path.join(step_dir, STATE), "params/" + path, ctx)
+    total = [0]
 
+    def pieces():
+        try:
+            for box in _pieces.boxes((0,) * len(shape), tuple(shape), 4, piece, _pieces.chunk_shape(store)):
+                x = _pieces.read_box(store, box)
+                total[0] = (total[0] + _pieces.np_checksum(x)) % (1 << 32)
+                yield x
+        except CheckpointError:
+            raise
+        except Exception as e:  # tensorstore raises ValueError / OSError for a damaged or missing chunk
+            raise CheckpointError(f"cannot read params/{path} of checkpoint {step_dir}: {type(e).__name__}: {e}") from e
 
-def _np_checksum(x: np.ndarray) -> int:
-    """``_checksum`` on the host, without a temporary copy (fp32 leaves)."""
-    return int(x.view(np.uint32).sum(dtype=np.uint32))
+    return pieces(), lambda: total[0]
 
 
 def consolidate(checkpoint_dir, out, dtype: str = "float32", format: str = "safetensors",
-                step: int | None = None, progress: bool = True) -> str:
+                step: int | None = None, progress: bool = True, budget: int | None = None) -> str:
     """Write the full params of one checkpoint step to ``out`` on this host, one leaf at a time.
 
     ``format="safetensors"``: tensors named by tree path joined with "." (``blocks.0.attn.qkv.kernel``);
-    peak memory stays near the largest leaf. ``format="orbax"``: a plain Orbax PyTree of the params
-    (this path holds the whole params tree in host memory). Returns ``out``. In a multi-process
-    run one process may call it alone (``if jax.process_index() == 0``): it waits for no other.
+    each leaf is streamed from the checkpoint into the file in pieces of at most a quarter of
+    ``budget`` (default 1 GiB, as for restore), so the host holds about one piece and one stored
+    chunk, whatever the largest leaf. ``format="orbax"``: a plain Orbax PyTree of the params (this
+    path holds the whole params tree in host memory). Returns ``out``. In a multi-process run one
+    process may call it alone (``if jax.process_index() == 0``): it waits for no other.
     """
     from tqdm.auto import tqdm
 
@@ -54,6 +61,9 @@ def consolidate(checkpoint_dir, out, dtype: str = "float32", format: str = "safe
         raise ConfigError(f"dtype={dtype!r}: use one of {sorted(_SAFETENSORS_DTYPES)}")
     if format not in ("safetensors", "orbax"):
         raise ConfigError(f"format={format!r}: use 'safetensors' or 'orbax'")
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
+        raise ConfigError(f"consolidate(budget={budget!r}): use a positive number of bytes, e.g. 1 << 30")
+    piece = max((RESTORE_BUDGET if budget is None else budget) // _GROUP_SHARE, _pieces.MIN_PIECE)
     checkpoint_dir = os.path.abspath(os.fspath(checkpoint_dir))
     step = pick_step(checkpoint_dir, step)
     step_dir = os.path.join(checkpoint_dir, str(step))
@@ -62,12 +72,18 @@ def consolidate(checkpoint_dir, out, dtype: str = "float32", format: str = "safe
     leaves = list(meta["params"].items())
     bar = tqdm(leaves, desc=f"consolidate step {step}", unit="leaf", disable=not progress)
 
-    def read(path, info):
-        x = _read_leaf(step_dir, path, info["shape"])
-        got = _np_checksum(x)
-        if got != meta["checksums"]["params/" + path]:
+    ctx = _pieces.context()
+
+    def pieces(path, info):
+        """The leaf's pieces in ``np_dtype``; its checksum is checked after the last one."""
+        values, checksum = _pieces_of(step_dir, path, info["shape"], piece, ctx)
+        for x in values:
+            yield x.astype(np_dtype, copy=False)  # no copy when the dtype is already right
+        if checksum() != meta["checksums"]["params/" + path]:
             raise CheckpointError(f"checkpoint {step_dir} is damaged: params/{path} does not match its checksum")
-        return x.astype(np_dtype, copy=False)  # no copy when the dtype is already right
+
+    def read(path, info):
+        return np.concatenate([x.reshape(-1) for x in pieces(path, info)]).reshape(info["shape"])
 
     if format == "orbax":
         tree = nest({path: read(path, info) for path, info in bar})
@@ -87,11 +103,17 @@ def consolidate(checkpoint_dir, out, dtype: str = "float32", format: str = "safe
     with open(tmp, "wb") as f:
         f.write(_struct.pack("<Q", len(blob)))
         f.write(blob)
-        for path, info in bar:  # safetensors data follow the header in its key order
-            arr = read(path, info)
-            f.write(np.ascontiguousarray(arr).view(np.uint8).reshape(-1).data)
-            del arr  # one leaf at a time
-        f.flush()
-        os.fsync(f.fileno())
+        try:
+            for path, info in bar:  # safetensors data follow the header in its key order
+                for x in pieces(path, info):  # row-major boxes: the leaf's bytes in order
+                    f.write(np.ascontiguousarray(x).view(np.uint8).reshape(-1).data)
+                    del x
+                    _pieces.release()
+            f.flush()
+            os.fsync(f.fileno())
+        except BaseException:
+            f.close()
+            os.remove(tmp)
+            raise
     os.replace(tmp, out)
     return out

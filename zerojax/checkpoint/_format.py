@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import os
 from typing import Any
 
 import jax
@@ -76,6 +77,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import zerojax._placement as placement
+import zerojax.checkpoint._pieces as _pieces
 from zerojax._errors import CheckpointError
 from zerojax._plan import LeafLayout, ZeroPlan, path_str
 from zerojax._state import TrainState, state_shardings
@@ -183,8 +185,17 @@ def cached_program(key, make):
     return program
 
 
-def _save_program(plan: ZeroPlan, tx, with_master: bool, opt, scaler_keys):
-    """The jitted state -> (logical tree, checksums) of a save; closes over layouts only."""
+def sums_on_host(plan: ZeroPlan) -> bool:
+    """Whether a save or restore sums the checksums with numpy rather than in its program: on CPU
+    devices, whose arrays are host memory already, numpy sums them many times faster than XLA:CPU
+    reduces them on each simulated device (the padding of a split dimension is zeros, so a padded
+    array sums to its logical values' checksum). An accelerator sums its shards in the program."""
+    return all(d.platform == "cpu" for d in plan.mesh.devices.flat)
+
+
+def _save_program(plan: ZeroPlan, tx, with_master: bool, opt, scaler_keys, checksums: bool = True):
+    """The jitted state -> (logical tree, checksums) of a save; closes over layouts only. Without
+    ``checksums`` the program returns {} for them (the host sums the tree: see logical_tree)."""
     homes = state_shardings(plan, tx)
     src_homes = homes.master if with_master else homes.params
     opt_meta = [(path, lay) for path, _, lay in opt]
@@ -213,7 +224,7 @@ def _save_program(plan: ZeroPlan, tx, with_master: bool, opt, scaler_keys):
         tree = {"params": params, "opt_state": opt_out, "step": step,
                 "loss_scale": _scaler_dict(loss_scale), "rng": rng}
         # fresh buffers: the step donates the state while the write may still be reading
-        return jax.tree_util.tree_map(lambda a: jnp.array(a, copy=True), tree), sums
+        return jax.tree_util.tree_map(lambda a: jnp.array(a, copy=True), tree), (sums if checksums else {})
 
     rep = NamedSharding(plan.mesh, P())
     opt_out_sh = {path: _disk_sharding(plan, lay) if lay is not None else _device(home)
@@ -230,12 +241,16 @@ def logical_tree(state: TrainState):
     # the fp32 master when the state has one (not when the step keeps it: NVMe, ZenFlow)
     with_master = state.master is not None
     opt = _opt_entries(plan, state.opt_state)
-    key = ("save", with_master, tuple(_scaler_dict(state.loss_scale))) + layout_key(plan, state.opt_state)
+    on_host = sums_on_host(plan)
+    key = ("save", with_master, on_host, tuple(_scaler_dict(state.loss_scale))) + layout_key(plan, state.opt_state)
     program = cached_program(key, lambda: _save_program(plan, state.tx, with_master, opt,
-                                                        tuple(_scaler_dict(state.loss_scale))))
+                                                        tuple(_scaler_dict(state.loss_scale)), not on_host))
     src = state.master if with_master else state.params
     opt_leaves = [x for _, x, _ in opt]
     flat, sums = program(src, opt_leaves, state.step, state.loss_scale, state.rng)
+    if on_host:
+        sums = _pieces.host_checksums({**{"params/" + k: v for k, v in flat["params"].items()},
+                                       **{"opt_state/" + k: v for k, v in flat["opt_state"].items()}})
     meta = {
         "format": FORMAT,
         "saved_with": {"stage": plan.stage, "devices": plan.n, "processes": jax.process_count(),
@@ -313,6 +328,9 @@ def _item(flat: dict, param_ids, opt_ids, scalars: bool):
 # laid out before the next is read: a group is held about four times over at the peak (Orbax's
 # read buffer, its device copy, the laid-out leaves, the next group's read beginning), so the
 # host holds the restored state plus about the budget, not two or three copies of the state.
+# A leaf larger than a group is read in pieces of a group (in_pieces, _pieces.build_leaf) straight
+# into its device shards, which hold a piece at most three times (the read, its device copy, the
+# cast) beside one stored chunk.
 RESTORE_BUDGET = 1 << 30
 _GROUP_SHARE = 4
 
@@ -339,9 +357,68 @@ def read_groups(plan: ZeroPlan, opt, budget: int) -> list[tuple[list[int], list[
     return groups
 
 
+def in_pieces(plan: ZeroPlan, opt, group: int) -> tuple[set, set]:
+    """(param indices, optimizer-leaf indices) read in pieces rather than by Orbax: a param whose
+    bytes per process, with the optimizer leaves that mirror it, exceed a group (and the optimizer
+    leaves that mirror it), and an optimizer leaf that mirrors no param and exceeds a group alone.
+    Leaves under :data:`_pieces.MIN_PIECE` are always read whole."""
+    per_process = max(1, jax.process_count())
+    limit = max(group, _pieces.MIN_PIECE)
+    mirrors: dict = collections.defaultdict(list)
+    params, opt_ids = set(), set()
+    for j, (_, x, lay) in enumerate(opt):
+        if lay is not None:
+            mirrors[lay.path].append(j)
+        elif x.size * np.dtype(x.dtype).itemsize // per_process > limit:
+            opt_ids.add(j)
+    for i, lay in enumerate(plan.leaves):
+        if 4 * lay.size * (1 + len(mirrors[lay.path])) // per_process > limit:
+            params.add(i)
+            opt_ids.update(mirrors[lay.path])
+    return params, opt_ids
+
+
+def _read_in_pieces(state_dir: str, key: str, logical_shape, dests, piece: int, ctx):
+    """One stored leaf laid out as each of ``dests`` ((shape, dtype, sharding) each), read box by
+    box (:mod:`zerojax.checkpoint._pieces`); returns (arrays, checksum). A later destination with
+    the same shape and device shards as the first (the params of a stage-3 master) is cast from
+    it on the devices instead of read again."""
+    store = _pieces.open_array(state_dir, key, ctx)
+    out, checksum = [], None
+    try:
+        for k, (shape, dtype, sharding) in enumerate(dests):
+            if k and _same_shards(dests[0], (shape, dtype, sharding)):
+                out.append(_cast_like(out[0], np.dtype(dtype).name, sharding))
+                continue
+            arr, s = _pieces.build_leaf(store, tuple(logical_shape), tuple(shape), dtype, sharding, piece,
+                                        checksum=k == 0)
+            out.append(arr)
+            checksum = s if k == 0 else checksum
+    except CheckpointError:
+        raise
+    except Exception as e:  # tensorstore raises ValueError / OSError for a damaged or missing chunk
+        raise CheckpointError(f"cannot read {key} of checkpoint {os.path.dirname(state_dir)}: "
+                              f"{type(e).__name__}: {e}") from e
+    return out, checksum
+
+
+def _same_shards(a, b) -> bool:
+    (shape_a, _, sh_a), (shape_b, _, sh_b) = a, b
+    if tuple(shape_a) != tuple(shape_b) or sh_a.memory_kind != sh_b.memory_kind:
+        return False
+    return (sh_a.memory_kind in (None, "device")
+            and sh_a.devices_indices_map(tuple(shape_a)) == sh_b.devices_indices_map(tuple(shape_b)))
+
+
+def _cast_like(x, dtype: str, sharding):
+    key = ("restore-cast", dtype, sharding, x.sharding)
+    return cached_program(key, lambda: jax.jit(lambda a: a.astype(dtype), out_shardings=sharding))(x)
+
+
 def restore_state(step_dir: str, meta: dict, target: TrainState, read, budget: int | None = None):
     """(state in the target's layout, checksums) of a checkpoint step, read group by group
-    (:func:`read_groups`) with ``read(step_dir, item, restore_args)``."""
+    (:func:`read_groups`) with ``read(step_dir, item, restore_args)``; the leaves larger than a
+    group (:func:`in_pieces`) are read box by box through tensorstore first."""
     plan = target.plan
     flat, opt, homes = _flat_spec(meta, target)
     with_master = target.master is not None
@@ -351,7 +428,30 @@ def restore_state(step_dir: str, meta: dict, target: TrainState, read, budget: i
     params, master = [None] * len(plan.leaves), [None] * len(plan.leaves)
     opt_leaves, sums, scalars = [None] * len(opt), {}, None
     group = max(1, (RESTORE_BUDGET if budget is None else budget) // _GROUP_SHARE)
-    for g, (pi, oi) in enumerate(read_groups(plan, opt, group)):
+    on_host = sums_on_host(plan)
+    big_params, big_opt = in_pieces(plan, opt, group)
+    groups = [([i for i in pi if i not in big_params], [j for j in oi if j not in big_opt])
+              for pi, oi in read_groups(plan, opt, group)]
+    groups = [grp for g, grp in enumerate(groups) if g == 0 or grp[0] or grp[1]]
+    if big_params or big_opt:
+        piece = max(group, _pieces.MIN_PIECE)
+        ctx, state_dir = _pieces.context(), os.path.join(step_dir, STATE)
+        for i in sorted(big_params):
+            lay = plan.leaves[i]
+            dests = []
+            if with_master:
+                dests.append((plan.master_shape(lay), np.float32, master_homes[i]))
+            dests.append((plan.param_shape(lay), plan.compute_dtype, param_homes[i]))
+            out, sums["params/" + lay.path] = _read_in_pieces(state_dir, "params/" + lay.path, lay.shape, dests,
+                                                              piece, ctx)
+            master[i], params[i] = (out[0], out[1]) if with_master else (None, out[0])
+        for j in sorted(big_opt):
+            path, x, lay = opt[j]
+            shape = plan.master_shape(lay) if lay is not None else tuple(x.shape)
+            (opt_leaves[j],), sums["opt_state/" + path] = _read_in_pieces(
+                state_dir, "opt_state/" + path, lay.shape if lay is not None else tuple(x.shape),
+                [(shape, x.dtype, opt_homes[j])], piece, ctx)
+    for g, (pi, oi) in enumerate(groups):
         item, restore_args = _item(flat, pi, oi, g == 0)
         restored = read(step_dir, item, restore_args)
         lays = [plan.leaves[i] for i in pi]
@@ -360,12 +460,18 @@ def restore_state(step_dir: str, meta: dict, target: TrainState, read, budget: i
                tuple(dataclasses.replace(lay, path="") for lay in lays),
                tuple((None if lay is None else dataclasses.replace(lay, path=""), np.dtype(dt).name)
                      for lay, dt in opt_meta),
-               tuple(param_homes[i] for i in pi), tuple(master_homes[i] for i in pi), tuple(opt_homes[j] for j in oi))
+               tuple(param_homes[i] for i in pi), tuple(master_homes[i] for i in pi), tuple(opt_homes[j] for j in oi),
+               on_host)
         program = cached_program(key, lambda: _restore_program(
             plan, lays, opt_meta, [param_homes[i] for i in pi], [master_homes[i] for i in pi],
-            [opt_homes[j] for j in oi], with_master))
-        (p, m, o), s = program([lookup(restored["params"], lay.path) for lay in lays],
-                               [lookup(restored["opt_state"], opt[j][0]) for j in oi])
+            [opt_homes[j] for j in oi], with_master, not on_host))
+        read_params = [lookup(restored["params"], lay.path) for lay in lays]
+        read_opt = [lookup(restored["opt_state"], opt[j][0]) for j in oi]
+        (p, m, o), s = program(read_params, read_opt)
+        if on_host:  # the arrays read are zeros past the logical region, so they sum to its checksum
+            s = _pieces.host_checksums({**{("p", k): x for k, x in enumerate(read_params)},
+                                        **{("o", k): x for k, x in enumerate(read_opt)}})
+            s = ([s[("p", k)] for k in range(len(pi))], [s[("o", k)] for k in range(len(oi))])
         for k, i in enumerate(pi):
             params[i], master[i] = p[k], m[k]
             sums["params/" + plan.leaves[i].path] = s[0][k]
@@ -387,16 +493,19 @@ def restore_state(step_dir: str, meta: dict, target: TrainState, read, budget: i
     return state, sums
 
 
-def _restore_program(plan: ZeroPlan, lays, opt_meta, param_homes, master_homes, opt_homes, with_master: bool):
+def _restore_program(plan: ZeroPlan, lays, opt_meta, param_homes, master_homes, opt_homes, with_master: bool,
+                     checksums: bool = True):
     """The jitted (a group's logical arrays) -> ((params, masters, optimizer leaves), checksums);
-    closes over layouts only (no leaf names: identical layers share one program)."""
+    closes over layouts only (no leaf names: identical layers share one program). Without
+    ``checksums`` they are zeros (the host sums the arrays read: see restore_state)."""
     cdt = plan.compute_dtype
+    _sum = _checksum if checksums else (lambda x: jnp.uint32(0))
 
     def build(flat_params, flat_opt):
         params, master, psums = [], [], []
         for lay, x in zip(lays, flat_params):
             logical = placement.unpad(x, lay)
-            psums.append(_checksum(logical))
+            psums.append(_sum(logical))
             params.append(placement.pad(logical.astype(cdt), lay) if lay.params_partitioned else logical.astype(cdt))
             master.append((placement.pad(logical, lay) if plan.opt_partitioned(lay) else logical)
                           if with_master else None)
@@ -404,10 +513,10 @@ def _restore_program(plan: ZeroPlan, lays, opt_meta, param_homes, master_homes, 
         for (lay, dt), x in zip(opt_meta, flat_opt):
             if lay is not None:
                 x = placement.unpad(x, lay)
-                osums.append(_checksum(x))
+                osums.append(_sum(x))
                 x = placement.pad(x, lay) if plan.opt_partitioned(lay) else x
             else:
-                osums.append(_checksum(x))
+                osums.append(_sum(x))
             opt_leaves.append(x.astype(dt))
         return (params, master, opt_leaves), (psums, osums)
 

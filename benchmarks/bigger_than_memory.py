@@ -5,7 +5,7 @@ steps cost next to the bytes they move through the disk.
     python benchmarks/bigger_than_memory.py --layers 48 --d 2048 --dir /nvme/scratch
     python benchmarks/bigger_than_memory.py --smoke               # tiny, seconds: the script runs
 
-Stage 3, bf16, AdamW, ``offload_param`` and ``offload_optimizer`` both ``"nvme"`` on 8 simulated
+Stage 3 (``max_reuse_distance: 0``), bf16, AdamW, ``offload_param`` and ``offload_optimizer`` both ``"nvme"`` on 8 simulated
 devices: the 16-bit params, fp32 master and both moments (14 bytes a param, in two slots) live in
 files. Before every step the files' pages are dropped from the page cache, so the step reads from
 the drive where the kernel allows it. Printed:
@@ -71,7 +71,9 @@ def main():
     batch = {"tokens": tokens}
     loss_fn = gpt.loss_fn(cfg)
     tx = optax.inject_hyperparams(optax.adamw)(learning_rate=3e-4, weight_decay=0.01)
-    common = dict(stage=3, precision="bf16", param_persistence_threshold=0)
+    # max_reuse_distance 0: every param is gathered (and read) again for the backward pass, so the
+    # device holds a few layers at a time, not the whole gathered model until its backward use
+    common = dict(stage=3, precision="bf16", param_persistence_threshold=0, max_reuse_distance=0)
     try:
         rss_base = RssSampler().rss()  # after the imports: jax and its runtime
         config = zj.ZeroConfig(**common, offload_optimizer="nvme", offload_param="nvme", nvme_path=nvme,

@@ -14,8 +14,6 @@ that reading any box decodes at most one such chunk beyond the box itself.
 """
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import functools
 import json
 import math
@@ -32,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from zerojax._compat import shard_map
 from zerojax._errors import CheckpointError
+from zerojax.offload._host_buffers import release  # noqa: F401  (used as _pieces.release)
 
 __all__ = ["CHUNK_BYTES", "MIN_PIECE", "boxes", "build_leaf", "chunk_shape", "context", "host_checksums",
            "np_checksum", "open_array", "read_box", "release"]
@@ -71,24 +70,6 @@ def open_array(state_dir: str, key: str, ctx: ts.Context):
     except Exception as e:  # tensorstore raises ValueError / OSError for a missing or damaged array
         raise CheckpointError(f"cannot read {key} of checkpoint {os.path.dirname(state_dir)}: "
                               f"{type(e).__name__}: {e}") from e
-
-
-def _libc_trim():
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):  # not glibc: nothing to hand back this way
-        return None
-
-
-_TRIM = _libc_trim()
-
-
-def release() -> None:
-    """Hand the pages of freed read buffers back to the system. glibc serves allocations below
-    its mmap threshold (which grows to 32 MiB once such a buffer is freed) from heaps it keeps,
-    so without this the process's resident size keeps every piece it ever read."""
-    if _TRIM is not None:
-        _TRIM(0)
 
 
 def chunk_shape(store) -> tuple[int, ...]:

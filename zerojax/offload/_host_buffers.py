@@ -6,6 +6,8 @@ result into the same memory, which the numpy views keep seeing.
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 from typing import Any
 
 import jax
@@ -14,7 +16,7 @@ import numpy as np
 
 from zerojax._errors import ConfigError
 
-__all__ = ["HostBuffer", "cpu_device", "host_buffer_of", "host_or_numpy", "host_zeros", "storage_kind"]
+__all__ = ["HostBuffer", "cpu_device", "host_buffer_of", "host_or_numpy", "host_zeros", "release", "storage_kind"]
 
 F32 = np.dtype(np.float32)
 F16 = np.dtype(np.float16)
@@ -90,3 +92,21 @@ def host_or_numpy(n: int, dtype) -> np.ndarray:
         except RuntimeError:  # no CPU backend in this process
             pass
     return np.zeros(n, dtype)
+
+
+def _libc_trim():
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc: nothing to hand back this way
+        return None
+
+
+_TRIM = _libc_trim()
+
+
+def release() -> None:
+    """Hand the pages of freed host buffers back to the system. glibc serves allocations below
+    its mmap threshold (which grows to 32 MiB once such a buffer is freed) from heaps it keeps,
+    so without this the process's resident size keeps every buffer a loop of reads ever made."""
+    if _TRIM is not None:
+        _TRIM(0)

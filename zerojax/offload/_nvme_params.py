@@ -31,6 +31,7 @@ import numpy as np
 
 from zerojax._plan import LeafLayout, ZeroPlan
 from zerojax.offload._flat import FlatLayout
+from zerojax.offload._host_buffers import release
 
 __all__ = ["DiskLayout", "NvmeSource", "ParamReader"]
 
@@ -175,6 +176,7 @@ class ParamReader:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        release()  # the parts read this step, freed once the step copied them: back to the system
 
 
 def local_devices(plan: ZeroPlan) -> list:

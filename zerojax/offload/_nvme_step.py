@@ -30,6 +30,7 @@ from zerojax.runtime import _watchdog
 from zerojax._contract import StepBase
 from zerojax._errors import ConfigError, StateError
 from zerojax.offload._flat import FlatLayout
+from zerojax.offload._host_buffers import release
 from zerojax.offload._host_rule import HostOptimizer
 from zerojax.offload._nvme import NvmeOptimizerStore, _validate_dir
 from zerojax.offload._nvme_params import DiskLayout, NvmeSource, ParamReader, local_devices
@@ -124,6 +125,7 @@ class HostLoopStep(StepBase):
         else:
             if not any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree_util.tree_leaves(state.params)):
                 self.store.init(self.layout.fill(np.empty(n, np.float32), self._disk_params(state.params)))
+                release()  # the whole-model fp32 copy init wrote from
             elif self.store.committed_count is None:
                 raise StateError(f"state.params holds only the params' shapes (offload_param='nvme') and "
                                  f"{self.store.path} has no committed params to continue from. Fix: make the step "

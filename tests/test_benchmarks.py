@@ -62,3 +62,7 @@ def test_muon_smoke_prints_every_contender():
         rows = [line for line in out.splitlines() if line.startswith(f"{name} ")]
         assert len(rows) == 2, f"{name!r} missing from:\n{out}"  # the collectives table and the timings
     assert "bytes/4Psi" in out and "ms/step" in out
+    # the per-device goals: momentum bytes and Newton–Schulz FLOPs, each with its verdict
+    assert "Muon momentum per device" in out and "PASS (|diff| <= one matrix)" in out, out
+    goals = [line for line in out.splitlines() if line.rstrip().endswith(("PASS", "FAIL (the floor)"))]
+    assert len(goals) == 4 and goals[2].rstrip().endswith("PASS"), out  # 3 + 5 matrices: balanced

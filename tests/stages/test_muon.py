@@ -2,6 +2,7 @@
 equal to one-device optax at stages 1–3 with gradient accumulation, its step holds a fixed
 number of collectives (all-to-alls per matrix shape, none per Newton–Schulz matmul), and a
 Muon-like transformation it does not recognise keeps running through optax."""
+import types
 import warnings
 
 import jax
@@ -10,12 +11,14 @@ import numpy as np
 import optax
 import optax.contrib
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import zerojax as zj
 from zerojax._plan import path_str
 from zerojax._state import unshard_params
 from zerojax.config._optimizers import muon_dimension_numbers, optimizer_from_config
-from zerojax.stages._muon import muon_recipe
+from zerojax.stages._muon import _newton_schulz, _nodes, _owners, balance, muon_recipe, ns_flops
 from zerojax.tools._compiled import collectives
 from tests.helpers import batches, init_params, loss_fn, max_rel_err, reference_run
 
@@ -300,3 +303,91 @@ def test_offloaded_muon_checkpoints_restore_on_the_device_and_offloaded(tmp_path
             restored, _ = step(restored, b)
         assert max_rel_err(unshard_params(restored), ref.params) < 1e-5
     assert _moment_kinds(restored.opt_state) == {"muon": {"pinned_host"}, "adam": {"pinned_host"}}
+
+
+# ------------------------------------------------------------------ per-device shares
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_each_device_holds_a_1_over_n_share_of_the_muon_momentum(stage):
+    """From the state's shards: every device holds 4 Psi_muon / N bytes of Muon momentum, within
+    one matrix (the partitions' padding), and nothing of the AdamW leaves in it."""
+    params = _layer_params(3, d=16)
+    tx = optax.inject_hyperparams(optax.contrib.muon)(learning_rate=1e-3)
+    state = zj.shard_train_state(params, tx, mesh=zj.make_mesh(), config=zj.ZeroConfig(stage=stage))
+    assert muon_recipe(state.plan, tx) is not None
+    mu = jax.tree_util.tree_leaves(_nodes(state.opt_state)[0].mu)
+    assert sorted(x.shape for x in mu) == sorted(x.shape for x in jax.tree_util.tree_leaves(params) if x.ndim == 2)
+    per = {}
+    for x in mu:
+        for shard in x.addressable_shards:
+            per[shard.device] = per.get(shard.device, 0) + shard.data.nbytes
+    n = state.plan.n
+    want = 4 * sum(x.size for x in mu) / n
+    assert len(per) == n and all(abs(b - want) <= 4 * 16 * 64 for b in per.values()), (per, want)
+
+
+def _ns_flops_compiled(counts, per_device=None, one_device=False):
+    """Per-device FLOPs of the owner Newton–Schulz program alone (stage 1) for ``counts``, or
+    (``one_device``) of the iterations on every matrix on one device."""
+    mesh = zj.make_mesh()
+    n = mesh.devices.size
+    coeffs = _nodes(optax.contrib.muon(1e-3).init({"w": jnp.zeros((4, 4))}))[0].ns_coeffs
+    if one_device:
+        stacks = {k: jax.ShapeDtypeStruct((c,) + k, jnp.float32) for k, c in counts.items()}
+        fn = jax.jit(lambda st: _newton_schulz(st, coeffs, 1e-8, lambda run, x, _: run(x)))
+    else:
+        per_device = per_device or balance(counts, n)
+        stacks = {k: jax.ShapeDtypeStruct((-(-c // n) * n,) + k, jnp.float32,
+                                          sharding=NamedSharding(mesh, P("data"))) for k, c in counts.items()}
+        plan = types.SimpleNamespace(data_axis="data", mesh=mesh, stage=1)
+        fn = jax.jit(lambda st: _newton_schulz(st, coeffs, 1e-8, _owners(plan), per_device))
+    cost = fn.lower(stacks).compile().cost_analysis()
+    return float((cost[0] if isinstance(cost, (list, tuple)) else cost)["flops"])
+
+
+def test_shapes_with_fewer_matrices_than_devices_are_balanced_over_the_owners():
+    """3 matrices of one shape and 5 of another (as costly) on 8 devices: each owner runs the
+    iterations on one real matrix (the compiled program's FLOPs per device within 1.15x of the
+    iterations' on one device over N), where running every slot of each shape's blocks (padding
+    included) costs 2x."""
+    counts = {(16, 64): 3, (64, 16): 5}
+    per_device = balance(counts, 8)
+    assert sorted(sum(a.values()) for a in per_device) == [1] * 8
+    assert sum(c * ns_flops(*k) for k, c in counts.items()) == 8 * ns_flops(16, 64)
+    total = _ns_flops_compiled(counts, one_device=True)
+    full = _ns_flops_compiled(counts, tuple({k: 1 for k in counts} for _ in range(8)))
+    mine = _ns_flops_compiled(counts)
+    assert full > 1.8 * total / 8  # the unbalanced program: two matrices per owner
+    assert mine <= 1.15 * total / 8
+
+
+def test_balanced_owners_train_like_optax():
+    """The balanced assignment (3 matrices of one shape, 5 of another, each owner its own
+    branch) trains equal to one-device optax over 10 steps."""
+    rng = np.random.default_rng(0)
+    params = {"a": (rng.standard_normal((3, 16, 24)) * 0.3).astype(np.float32),
+              "b": (rng.standard_normal((5, 24, 16)) * 0.3).astype(np.float32)}
+    dims = muon_dimension_numbers()
+
+    def loss(p, batch):
+        h = batch["x"]
+        for i in range(3):
+            h = jnp.tanh(h @ p["a"][i]) @ p["b"][i]
+        return jnp.mean((h @ p["b"][3:].sum(0).T - batch["y"]) ** 2) + jnp.mean(p["b"][4] ** 2)
+
+    data = [{"x": rng.standard_normal((16, 16)).astype(np.float32), "y": rng.standard_normal((16, 24)).astype(np.float32)}
+            for _ in range(10)]
+    make = lambda: optax.contrib.muon(0.02, weight_decay=0.01, muon_weight_dimension_numbers=dims)  # noqa: E731
+    state = zj.shard_train_state(params, make(), mesh=zj.make_mesh(), config=zj.ZeroConfig(stage=2))
+    assert muon_recipe(state.plan, state.tx) is not None
+    step = zj.make_train_step(loss, state)
+    for b in data:
+        state, _ = step(state, b)
+    ref, s, p = make(), None, params
+    s = ref.init(p)
+    for b in data:
+        u, s = ref.update(jax.grad(loss)(p, b), s, p)
+        p = optax.apply_updates(p, u)
+    assert max_rel_err(unshard_params(state), p) < 1e-5
+

@@ -220,11 +220,18 @@ def test_partially_offloaded_muon_keeps_each_side_and_equals_optax():
     assert max_rel_err(unshard_params(state), ref.params) < 1e-5
 
 
-def test_muon_with_nvme_offload_is_refused_by_name():
+@pytest.mark.parametrize("path", ["nvme", "zenflow"])
+def test_muon_with_nvme_offload_or_zenflow_is_refused_by_name(path, tmp_path):
+    """NVMe offload and ZenFlow update AdamW-family state on the host: Muon is refused, named,
+    with the offload that runs it."""
     ds = _offloaded(_ds(2, 1))
-    ds["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": "/tmp"}
-    with pytest.raises(zj.ConfigError, match="nvme"):
+    if path == "nvme":
+        ds["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": str(tmp_path)}
+    else:
+        ds["zero_optimization"]["zenflow"] = {"topk_ratio": 0.1}
+    with pytest.raises(zj.OptimizerError, match=path) as e:
         zj.initialize(init_params(jax.random.PRNGKey(0)), loss_fn, ds)
+    assert "does not run Muon (optax.contrib.muon" in str(e.value) and 'offload_optimizer "cpu"' in str(e.value)
 
 
 def test_an_overflowing_fp16_step_leaves_offloaded_muon_state_bitwise_unchanged():

@@ -18,6 +18,8 @@ and smaller ``{"c": [d, d/4], "e": [d/4, d]}`` matrices, each block scaled by a 
   ``offload_optimizer="cpu"`` (AdamW in the host kernel; Muon's momentum fetched for the
   update on owners and the AdamW group on the host; through optax: the whole update in a
   host computation);
+* ``zo-muon-s1`` / ``zo-optax-s1``: ``zj.zero_optimizer(optax.contrib.muon(...))`` at stage 1
+  in the caller's own jitted loop (params replicated): recognised, on owners / through optax;
 * ``fsdp-muon``: ``optax.contrib.muon`` under plain ``jax.jit``, every leaf split along its
   largest dimension (GSPMD's FSDP);
 * ``ddp-muon``: the same with every leaf replicated.
@@ -108,6 +110,30 @@ class ZeroJax:
         return metrics["loss"]
 
 
+class ZeroOpt:
+    """``zj.zero_optimizer`` in the caller's own jitted loop: params replicated, the state split."""
+
+    def __init__(self, params, make_tx, stage, mesh):
+        self.tx = zj.zero_optimizer(make_tx(), mesh=mesh, config=zj.ZeroConfig(stage=stage))
+        self.params = jax.device_put(params, NamedSharding(mesh, P()))
+        self.opt_state = self.tx.init(self.params)
+        self.batch_sh = NamedSharding(mesh, P("data"))
+
+        def step(p, s, b):
+            loss, g = jax.value_and_grad(loss_fn)(p, b)
+            u, s = self.tx.update(g, s, p)
+            return optax.apply_updates(p, u), s, loss
+
+        self.fn = jax.jit(step, donate_argnums=(0, 1))
+
+    def compiled(self, batch):
+        return self.fn.lower(self.params, self.opt_state, jax.device_put(batch, self.batch_sh)).compile()
+
+    def run(self, batch):
+        self.params, self.opt_state, loss = self.fn(self.params, self.opt_state, jax.device_put(batch, self.batch_sh))
+        return loss
+
+
 class Plain:
     def __init__(self, params, make_tx, mode, mesh):
         n = mesh.shape["data"]
@@ -149,6 +175,8 @@ CONTENDERS = {  # AdamW first: the Muon rows compare their bytes with it
     "zj-adamw-off-s1": lambda p, m: ZeroJax(p, adamw, 1, m, offload_optimizer="cpu"),
     "zj-muon-off-s1": lambda p, m: ZeroJax(p, muon, 1, m, offload_optimizer="cpu"),
     "zj-optax-off-s1": lambda p, m: ZeroJax(p, muon_through_optax, 1, m, offload_optimizer="cpu"),
+    "zo-muon-s1": lambda p, m: ZeroOpt(p, muon, 1, m),
+    "zo-optax-s1": lambda p, m: ZeroOpt(p, muon_through_optax, 1, m),
     "fsdp-muon": lambda p, m: Plain(p, muon, "fsdp", m),
     "ddp-muon": lambda p, m: Plain(p, muon, "ddp", m),
 }

@@ -57,8 +57,8 @@ def test_variadic_gather_smoke_reports_both_partitioners_and_an_equal_step():
 def test_muon_smoke_prints_every_contender():
     out = run("muon.py", "--smoke")
     for name in ("zj-adamw-s1", "zj-adamw-s3", "zj-muon-s1", "zj-muon-s3", "zj-optax-s1", "zj-optax-s3", "zj-adamw-s0",
-                 "zj-muon-s0", "zj-optax-s0", "zj-adamw-off-s1", "zj-muon-off-s1", "zj-optax-off-s1", "fsdp-muon",
-                 "ddp-muon"):
+                 "zj-muon-s0", "zj-optax-s0", "zj-adamw-off-s1", "zj-muon-off-s1", "zj-optax-off-s1", "zo-muon-s1",
+                 "zo-optax-s1", "fsdp-muon", "ddp-muon"):
         rows = [line for line in out.splitlines() if line.startswith(f"{name} ")]
         assert len(rows) == 2, f"{name!r} missing from:\n{out}"  # the collectives table and the timings
     assert "bytes/4Psi" in out and "ms/step" in out

@@ -59,7 +59,7 @@ try:  # optax's own iteration, so the numbers are optax's
 except ImportError:  # pragma: no cover - an optax without it: Muon runs through optax's update
     MuonState = orthogonalize_via_newton_schulz = None
 
-__all__ = ["MuonRecipe", "balance", "muon_offloaded_update", "muon_recipe", "muon_update", "ns_flops"]
+__all__ = ["MuonRecipe", "balance", "muon_offloaded_update", "muon_recipe", "muon_update", "muon_updates", "ns_flops"]
 
 # optax.contrib.muon's defaults, for the settings an injected one does not hold
 _DEFAULTS = {"beta": 0.95, "eps": 1e-8, "weight_decay": 0.0, "adam_b1": 0.9, "adam_b2": 0.999, "adam_eps_root": 0.0,
@@ -502,6 +502,15 @@ def muon_update(plan, recipe: MuonRecipe, tx, master, grads, opt_state, key=None
     updates = plan.map(lambda lay, u: jax.lax.with_sharding_constraint(u, plan.update_sharding(lay)), updates)
     new = round_master(plan, optax.apply_updates(current, updates), key)
     return placement.to_storage(plan, new), placement.opt_to_storage(plan, state)
+
+
+def muon_updates(plan, recipe: MuonRecipe, tx, grads, opt_state, params):
+    """``tx.update``'s contract on the update layout (:func:`zerojax._placement.to_update`) for a
+    recognised Muon, the iterations on owners: ``(updates, opt_state)``, each update constrained
+    to its partition (``zj.zero_optimizer``'s update without offload)."""
+    updates, state = _update(tx, recipe, grads, opt_state, params, _owners(plan), plan.n)
+    updates = plan.map(lambda lay, u: jax.lax.with_sharding_constraint(u, plan.update_sharding(lay)), updates)
+    return updates, state
 
 
 _ADAM_KEYS = ("adam_b1", "adam_b2", "adam_eps_root", "eps", "adam_weight_decay", "adam_learning_rate")

@@ -206,6 +206,11 @@ def _newton_schulz(stacks, ns_coeffs, eps, owners, per_device=None):
     return owners(run, stacks, per_device)
 
 
+# at most this many branches in the owners' program; past it every owner iterates on every slot
+# of its blocks (the empty ones are zero matrices, which the iterations keep zero)
+_MAX_BRANCHES = 32
+
+
 def _by_device(run, per_device, axis):
     """Inside a shard_map over ``axis``: each device runs ``run`` with its own assignment (one
     branch per distinct assignment, chosen by the device's index: the program holds the
@@ -213,6 +218,8 @@ def _by_device(run, per_device, axis):
     distinct, index = _patterns(per_device)
     if len(distinct) == 1:
         return lambda blocks: run(blocks, distinct[0])
+    if len(distinct) > _MAX_BRANCHES:  # a program that grows with N would cost more to compile than it saves
+        return lambda blocks: run(blocks)
     table = jnp.asarray(index, jnp.int32)
     branches = [functools.partial(run, real=a) for a in distinct]
     return lambda blocks: jax.lax.switch(table[jax.lax.axis_index(axis)], branches, blocks)

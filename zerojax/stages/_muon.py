@@ -292,11 +292,40 @@ def _adamw(g, p, mu, nu, s, a_count):
     return -s["adam_learning_rate"] * u, mu, nu
 
 
+def orthogonalise(hats: dict, ns_coeffs, eps, owners, n: int) -> dict:
+    """{leaf index: Nesterov-mixed momentum (a matrix or a stack of them)} -> the same
+    orthogonalised (Newton–Schulz on stacks of same-shape matrices, each whole on its owner:
+    ``owners``, :func:`_owners`) and scaled by ``sqrt(max(1, fan_out / fan_in))``."""
+    if not hats:
+        return {}
+    owners = owners or (lambda run, stacks, per_device: run(stacks))
+    groups: dict = {}
+    for i, h in hats.items():
+        groups.setdefault(tuple(h.shape[-2:]), []).append(i)
+    counts = {key: sum(math.prod(hats[i].shape[:-2]) for i in idx) for key, idx in groups.items()}
+    per_device = balance(counts, n)
+    caps = {key: -(-k // n) for key, k in counts.items()}
+    stacks = {key: _stack([hats[i].reshape((-1,) + key) for i in idx], per_device, key, caps[key])
+              for key, idx in groups.items()}
+    done = _newton_schulz(stacks, ns_coeffs, eps, owners, per_device)
+    out = {}
+    for key, idx in groups.items():
+        real = _unstack(done[key], per_device, key, caps[key])
+        start = 0
+        for i in idx:
+            h = hats[i]
+            count = math.prod(h.shape[:-2])
+            u = real[start:start + count].reshape(h.shape)
+            start += count
+            fan_in, fan_out = h.shape[-2], h.shape[-1]
+            out[i] = u * jnp.sqrt(jnp.maximum(1, fan_out / fan_in))
+    return out
+
+
 def _update(tx, recipe: MuonRecipe, grads, opt_state, params, owners=None, n: int = 1,
             elsewhere: frozenset = frozenset()):
     """``(updates, new opt_state)`` of optax.contrib.muon on logical trees, with the
     Newton–Schulz iterations run on stacks of whole matrices (on their owners: ``owners``)."""
-    owners = owners or (lambda run, stacks, per_device: run(stacks))
     treedef = jax.tree_util.tree_structure(params)
     muon_node, adam_node = _nodes(opt_state)
     s, after = _advance_scalars(tx, recipe, treedef, opt_state, muon_node, adam_node)
@@ -318,27 +347,9 @@ def _update(tx, recipe: MuonRecipe, grads, opt_state, params, owners=None, n: in
         new_mu[i] = m
         hats[i] = beta * bc(m, beta, optax.safe_increment(m_count)) + (1 - beta) * bc(g, beta, m_count)
     # Newton–Schulz on stacks of same-shape matrices, each whole on its owner
-    groups: dict = {}
-    for i, h in hats.items():
-        groups.setdefault(tuple(h.shape[-2:]), []).append(i)
-    counts = {key: sum(math.prod(hats[i].shape[:-2]) for i in idx) for key, idx in groups.items()}
-    per_device = balance(counts, n)
-    caps = {key: -(-k // n) for key, k in counts.items()}
-    stacks = {key: _stack([hats[i].reshape((-1,) + key) for i in idx], per_device, key, caps[key])
-              for key, idx in groups.items()}
-    done = _newton_schulz(stacks, muon_node.ns_coeffs, s["eps"], owners, per_device)
-    for key, idx in groups.items():
-        real = _unstack(done[key], per_device, key, caps[key])
-        start = 0
-        for i in idx:
-            h = hats[i]
-            count = math.prod(h.shape[:-2])
-            u = real[start:start + count].reshape(h.shape)
-            start += count
-            fan_in, fan_out = h.shape[-2], h.shape[-1]
-            u = u * jnp.sqrt(jnp.maximum(1, fan_out / fan_in))
-            u = u + s["weight_decay"] * p_leaves[i]
-            updates[i] = -s["learning_rate"] * u
+    for i, u in orthogonalise(hats, muon_node.ns_coeffs, s["eps"], owners, n).items():
+        u = u + s["weight_decay"] * p_leaves[i]
+        updates[i] = -s["learning_rate"] * u
     # AdamW (Nesterov, as optax.contrib.muon builds it) on the partitions; the leaves in
     # ``elsewhere`` are left to the caller (zero updates here, their moments as they came)
     for i, (g, p, muon) in enumerate(zip(g_leaves, p_leaves, recipe.muon)):
@@ -479,17 +490,20 @@ def _cached(tx, key):
     return _recipe(tx, key[1].unflatten([jax.ShapeDtypeStruct(s, d) for s, d in key[0]]))
 
 
-def muon_recipe(plan, tx) -> Optional[MuonRecipe]:
+def muon_recipe(plan, tx, host_loop: bool = False) -> Optional[MuonRecipe]:
     """The owner-computed Muon update for ``tx`` on ``plan``, or None (optax's own update runs):
     ``tx`` must be a recognised ``optax.contrib.muon``, the optimizer state in fp32 (partitioned
     at stages 1–3, replicated at stage 0: :func:`_owners`), on the device or in host memory
     (``offload_optimizer="cpu"``, any ``offload_ratio``: :func:`muon_offloaded_update`), and
-    every leaf on the data axis only (no tensor or sequence parallel split)."""
+    every leaf on the data axis only (no tensor or sequence parallel split). ``host_loop``: for
+    the NVMe step (:mod:`zerojax.offload._nvme_muon`), which keeps the state itself, on any
+    number of devices."""
     cfg = plan.config
-    if plan.n < 2 or cfg.master_weights_dtype or cfg.optimizer_state_dtype:
+    if (plan.n < 2 and not host_loop) or cfg.master_weights_dtype or cfg.optimizer_state_dtype:
         return None
-    if cfg.offload_optimizer is not None and (cfg.offload_optimizer != "cpu" or plan.optimizer_state_outside):
-        return None  # NVMe and ZenFlow keep the state themselves (their steps refuse Muon by name)
+    if not host_loop and cfg.offload_optimizer is not None and (cfg.offload_optimizer != "cpu"
+                                                                or plan.optimizer_state_outside):
+        return None  # NVMe and ZenFlow keep the state themselves (NVMe asks with host_loop; ZenFlow refuses Muon)
     if any(lay.extra or any(e is not None for e in lay.base_spec) for lay in plan.leaves):
         return None
     shapes = [(lay.shape, np.dtype(lay.dtype)) for lay in plan.leaves]

@@ -232,6 +232,17 @@ def test_muon_with_zenflow_is_refused_by_name():
     assert "does not run Muon (optax.contrib.muon" in str(e.value) and 'offload_optimizer "cpu" or "nvme"' in str(e.value)
 
 
+def test_nvme_refuses_a_muon_it_does_not_recognise_by_name(tmp_path):
+    """A Muon the NVMe loop cannot reproduce (its lr a schedule outside inject_hyperparams) is
+    refused, named, with the ways to build one it runs."""
+    tx = optax.contrib.muon(optax.linear_schedule(0.02, 0.0, 10))
+    state = zj.shard_train_state(init_params(jax.random.PRNGKey(0)), tx, mesh=zj.make_mesh(),
+                                 config=zj.ZeroConfig(stage=2, offload_optimizer="nvme", nvme_path=str(tmp_path)))
+    with pytest.raises(zj.OptimizerError, match="nvme") as e:
+        zj.make_train_step(loss_fn, state)
+    assert "Muon (optax.contrib.muon" in str(e.value) and "inject_hyperparams" in str(e.value)
+
+
 def _host_loop(step):
     """The NVMe host loop inside the step zj.initialize returns."""
     while not hasattr(step, "store"):

@@ -264,11 +264,7 @@ def test_nvme_muon_keeps_its_momentum_in_the_files_and_equals_optax(stage, tmp_p
     assert loop.muon is not None and state.plan.optimizer_state_outside
     for b in data:
         state, metrics = step(state, b)
-    tx = _reference_tx()
-    ref_state, p = tx.init(params), params
-    for b in data:
-        u, ref_state = tx.update(jax.grad(loss_fn)(p, b), ref_state, p)
-        p = optax.apply_updates(p, u)
+    p, ref_state = _reference_with_state(_reference_tx(), loss_fn, params, data)
     assert max_rel_err(unshard_params(state), p) < 1e-5
     assert float(metrics["learning_rate"]) == pytest.approx(0.02)
     m = state.plan.treedef.unflatten(jax.tree_util.tree_leaves(loop.layout.views(loop.store.read("m"))))
@@ -415,6 +411,19 @@ def test_shapes_with_fewer_matrices_than_devices_are_balanced_over_the_owners():
     assert mine <= 1.15 * total / 8
 
 
+def _reference_with_state(tx, loss, params, data):
+    """One-device optax, jitted: (params, optimizer state) after ``data``."""
+    @jax.jit
+    def step(p, s, b):
+        u, s = tx.update(jax.grad(loss)(p, b), s, p)
+        return optax.apply_updates(p, u), s
+
+    p, s = params, tx.init(params)
+    for b in data:
+        p, s = step(p, s, b)
+    return p, s
+
+
 @pytest.mark.parametrize("branches", [32, 1], ids=["a-branch-per-owner", "every-slot"])
 def test_balanced_owners_train_like_optax(branches, monkeypatch):
     """The balanced assignment (3 matrices of one shape, 5 of another, each owner its own
@@ -440,11 +449,7 @@ def test_balanced_owners_train_like_optax(branches, monkeypatch):
     step = zj.make_train_step(loss, state)
     for b in data:
         state, _ = step(state, b)
-    ref, s, p = make(), None, params
-    s = ref.init(p)
-    for b in data:
-        u, s = ref.update(jax.grad(loss)(p, b), s, p)
-        p = optax.apply_updates(p, u)
+    p, _ = _reference_with_state(make(), loss, params, data)
     assert max_rel_err(unshard_params(state), p) < 1e-5
 
 

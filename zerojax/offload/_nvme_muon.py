@@ -5,10 +5,9 @@ keeps the fp32 master and two per-element slots, ``m`` and ``v``, in files. For 
 ``optax.contrib.muon`` (:func:`zerojax.stages._muon.muon_recipe`) each step:
 
 1. reads the committed ``m`` (the Muon leaves' momentum lives there), mixes it with the
-   gradients as optax's Nesterov momentum does, and sends the mixed matrices to the device,
-   where each is orthogonalised whole on one owner of the data axis (the balanced stacks of
-   :func:`zerojax.stages._muon.orthogonalise`) and width-scaled; the directions come back to
-   host memory;
+   gradients as optax's Nesterov momentum does, and sends each device the block of the
+   balanced stacks (:func:`zerojax.stages._muon.balance`) whose matrices it orthogonalises
+   whole; the results come back to host memory and are width-scaled there;
 2. streams the store once, sub-group by sub-group, with :class:`MuonHost` as its optimizer: the
    Muon elements take the momentum update and ``master -= lr * (direction + wd * master)``; the
    AdamW group's elements take optax.contrib.muon's AdamW (Nesterov) in ``m`` and ``v``.
@@ -20,6 +19,8 @@ each), for the step's duration.
 """
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -27,7 +28,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zerojax.offload._host_rule import _to_bf16_bits, _widen
-from zerojax.stages._muon import MuonRecipe, _advance_scalars, _nodes, _owners, _proxy_tree, orthogonalise
+from zerojax.stages._muon import (MuonRecipe, _advance_scalars, _newton_schulz, _nodes, _owners, _proxy_tree, _stack,
+                                  _unstack, balance)
 
 __all__ = ["MuonHost"]
 
@@ -56,17 +58,23 @@ class MuonHost:
         self.direction = np.zeros(layout.total, np.float32)
         zeros = lambda p: jnp.zeros(p.shape, p.dtype)  # noqa: E731
         self._state = tx.init(_proxy_tree(plan.treedef, recipe, zeros))
-        self._coeffs = _nodes(self._state)[0].ns_coeffs
+        coeffs = _nodes(self._state)[0].ns_coeffs
         self.settings = self.peek()
-        replicated = NamedSharding(plan.mesh, P())
-        owners = _owners(plan)
-        n = plan.n
+        # the Muon matrices in stacks of one shape, each device's block holding its matrices
+        # (balance): a device receives its own block only, and sends back its results
+        self.groups: dict = {}
+        for i in self.leaves:
+            self.groups.setdefault(tuple(layout.shapes[i][-2:]), []).append(i)
+        counts = {key: sum(math.prod(layout.shapes[i][:-2]) for i in idx) for key, idx in self.groups.items()}
+        self.per_device = balance(counts, plan.n)
+        self.caps = {key: -(-k // plan.n) for key, k in counts.items()}
+        self._owned = NamedSharding(plan.mesh, P(plan.data_axis))
+        owners, per_device = _owners(plan, split=True), self.per_device
 
-        def directions(hats, eps):
-            return orthogonalise(dict(enumerate(hats)), self._coeffs, eps, owners, n)
+        def directions(stacks, eps):
+            return _newton_schulz(stacks, coeffs, eps, owners, per_device)
 
-        self._directions = jax.jit(directions, out_shardings=replicated)
-        self._replicated = replicated
+        self._directions = jax.jit(directions, out_shardings=self._owned)
 
     def _advance(self):
         return _advance_scalars(self.tx, self.recipe, self.plan.treedef, self._state, *_nodes(self._state))
@@ -83,16 +91,25 @@ class MuonHost:
         beta = s["beta"]
         g_views = jax.tree_util.tree_leaves(self.layout.views(grads_flat))
         m_views = jax.tree_util.tree_leaves(self.layout.views(m_flat))
-        hats = []
+        hats = {}
         for i in self.leaves:
             g = _widen(np.asarray(g_views[i]))
             m = (1 - beta) * g + beta * m_views[i]
-            hat = beta * _corrected(m, beta, count + 1) + (1 - beta) * _corrected(g, beta, count)
-            hats.append(jax.device_put(hat, self._replicated))
-        out = self._directions(hats, jnp.float32(s["eps"])) if hats else {}
+            hats[i] = beta * _corrected(m, beta, count + 1) + (1 - beta) * _corrected(g, beta, count)
+        stacks = {key: jax.device_put(_stack([hats[i].reshape((-1,) + key) for i in idx], self.per_device, key,
+                                             self.caps[key], xp=np), self._owned)
+                  for key, idx in self.groups.items()}
+        done = self._directions(stacks, jnp.float32(s["eps"])) if stacks else {}
         d_views = jax.tree_util.tree_leaves(self.layout.views(self.direction))
-        for k, i in enumerate(self.leaves):
-            d_views[i][...] = np.asarray(out[k])
+        for key, idx in self.groups.items():
+            real = _unstack(np.asarray(done[key]), self.per_device, key, self.caps[key], xp=np)
+            start = 0
+            for i in idx:
+                shape = self.layout.shapes[i]
+                count_i = math.prod(shape[:-2])
+                u = real[start:start + count_i].reshape(shape)
+                start += count_i
+                d_views[i][...] = u * np.sqrt(np.maximum(np.float32(1), np.float32(shape[-1] / shape[-2])))
 
     def step(self, params: np.ndarray, grads: np.ndarray, m: np.ndarray, v: np.ndarray, count: int, *,
              lr=None, grad_scale: float = 1.0, out16=None, offset: int = 0) -> None:

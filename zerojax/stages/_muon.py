@@ -225,7 +225,7 @@ def _by_device(run, per_device, axis):
     return lambda blocks: jax.lax.switch(table[jax.lax.axis_index(axis)], branches, blocks)
 
 
-def _owners(plan):
+def _owners(plan, split: Optional[bool] = None):
     """How the stacks (each a multiple of N matrices) reach their owners, a block of each per
     device, and which of its matrices each owner orthogonalises (:func:`balance`).
 
@@ -241,7 +241,7 @@ def _owners(plan):
     def on_owners(run, stacks, per_device):
         body = _by_device(run, per_device, axis)
         specs = {k: P(axis) for k in stacks}
-        if plan.stage >= 1:
+        if (plan.stage >= 1) if split is None else split:
             stacks = {k: jax.lax.with_sharding_constraint(x, owned) for k, x in stacks.items()}
             out = shard_map(body, plan.mesh, in_specs=(specs,), out_specs=specs, manual_axes=(axis,))(stacks)
             return {k: jax.lax.with_sharding_constraint(x, owned) for k, x in out.items()}
@@ -254,11 +254,11 @@ def _owners(plan):
     return on_owners
 
 
-def _stack(parts, per_device, key, cap):
+def _stack(parts, per_device, key, cap, xp=jnp):
     """Real matrices ``parts`` (``[k_i, m, n]`` each) -> the stack of N blocks of ``cap``
     slots, device d's block opening with its ``per_device[d][key]`` matrices (in order),
-    zero matrices after."""
-    real = jnp.concatenate(parts, axis=0) if len(parts) > 1 else parts[0]
+    zero matrices after (``xp``: jax.numpy, or numpy on the host)."""
+    real = xp.concatenate(parts, axis=0) if len(parts) > 1 else parts[0]
     pieces, start = [], 0
     for a in per_device:
         k = a[key]
@@ -266,14 +266,14 @@ def _stack(parts, per_device, key, cap):
             pieces.append(real[start:start + k])
             start += k
         if cap - k:
-            pieces.append(jnp.zeros((cap - k,) + key, real.dtype))
-    return jnp.concatenate(pieces, axis=0) if len(pieces) > 1 else pieces[0]
+            pieces.append(xp.zeros((cap - k,) + key, real.dtype))
+    return xp.concatenate(pieces, axis=0) if len(pieces) > 1 else pieces[0]
 
 
-def _unstack(x, per_device, key, cap):
+def _unstack(x, per_device, key, cap, xp=jnp):
     """The inverse of :func:`_stack`: the real matrices, in order."""
     pieces = [x[d * cap:d * cap + a[key]] for d, a in enumerate(per_device) if a[key]]
-    return jnp.concatenate(pieces, axis=0) if len(pieces) > 1 else pieces[0]
+    return xp.concatenate(pieces, axis=0) if len(pieces) > 1 else pieces[0]
 
 
 def _bias_corrected(x, decay, count):

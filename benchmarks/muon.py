@@ -18,11 +18,19 @@ and smaller ``{"c": [d, d/4], "e": [d/4, d]}`` matrices, each block scaled by a 
   ``offload_optimizer="cpu"`` (AdamW in the host kernel; Muon's momentum fetched for the
   update on owners and the AdamW group on the host; through optax: the whole update in a
   host computation);
+* ``zo-muon-s1`` / ``zo-optax-s1``: ``zj.zero_optimizer(optax.contrib.muon(...))`` at stage 1
+  in the caller's own jitted loop (params replicated): recognised, on owners / through optax;
 * ``fsdp-muon``: ``optax.contrib.muon`` under plain ``jax.jit``, every leaf split along its
   largest dimension (GSPMD's FSDP);
 * ``ddp-muon``: the same with every leaf replicated.
 
-For each, from the compiled step: the collectives (count, by kind) and their bytes per device
+First the per-device goals (:func:`per_device_goals`): each device's bytes of Muon momentum
+(from the state's shards) against 4 Psi_muon / N, within one matrix; and the Newton–Schulz FLOPs
+per device of the owner program alone (compiled, XLA's cost analysis) against the same
+iterations on one device over N, goal <= 1.15x, on the model and on shapes with fewer matrices
+than devices (unbalanced: every owner running every slot of its blocks, padding included).
+
+For each contender, from the compiled step: the collectives (count, by kind) and their bytes per device
 (ring volume from the result shapes, :func:`zerojax.tools._compiled.collectives`) over 4 x
 params (the fp32 params' bytes), the per-device FLOPs of XLA's cost analysis; then the step time,
 the median over ``rounds`` interleaved rounds of ``steps`` steps each. ``--smoke``: 2 small
@@ -30,9 +38,11 @@ layers, one round of one step.
 """
 import argparse
 import os
+import math
 import statistics
 import sys
 import time
+import types
 
 from _common import simulate_devices
 
@@ -48,6 +58,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import zerojax as zj  # noqa: E402
+from zerojax.stages._muon import _newton_schulz, _nodes, _owners, balance, ns_flops  # noqa: E402
 from zerojax.tools._compiled import collectives  # noqa: E402
 from vs_plain_jax import fsdp_spec  # noqa: E402
 
@@ -99,6 +110,30 @@ class ZeroJax:
         return metrics["loss"]
 
 
+class ZeroOpt:
+    """``zj.zero_optimizer`` in the caller's own jitted loop: params replicated, the state split."""
+
+    def __init__(self, params, make_tx, stage, mesh):
+        self.tx = zj.zero_optimizer(make_tx(), mesh=mesh, config=zj.ZeroConfig(stage=stage))
+        self.params = jax.device_put(params, NamedSharding(mesh, P()))
+        self.opt_state = self.tx.init(self.params)
+        self.batch_sh = NamedSharding(mesh, P("data"))
+
+        def step(p, s, b):
+            loss, g = jax.value_and_grad(loss_fn)(p, b)
+            u, s = self.tx.update(g, s, p)
+            return optax.apply_updates(p, u), s, loss
+
+        self.fn = jax.jit(step, donate_argnums=(0, 1))
+
+    def compiled(self, batch):
+        return self.fn.lower(self.params, self.opt_state, jax.device_put(batch, self.batch_sh)).compile()
+
+    def run(self, batch):
+        self.params, self.opt_state, loss = self.fn(self.params, self.opt_state, jax.device_put(batch, self.batch_sh))
+        return loss
+
+
 class Plain:
     def __init__(self, params, make_tx, mode, mesh):
         n = mesh.shape["data"]
@@ -140,6 +175,8 @@ CONTENDERS = {  # AdamW first: the Muon rows compare their bytes with it
     "zj-adamw-off-s1": lambda p, m: ZeroJax(p, adamw, 1, m, offload_optimizer="cpu"),
     "zj-muon-off-s1": lambda p, m: ZeroJax(p, muon, 1, m, offload_optimizer="cpu"),
     "zj-optax-off-s1": lambda p, m: ZeroJax(p, muon_through_optax, 1, m, offload_optimizer="cpu"),
+    "zo-muon-s1": lambda p, m: ZeroOpt(p, muon, 1, m),
+    "zo-optax-s1": lambda p, m: ZeroOpt(p, muon_through_optax, 1, m),
     "fsdp-muon": lambda p, m: Plain(p, muon, "fsdp", m),
     "ddp-muon": lambda p, m: Plain(p, muon, "ddp", m),
 }
@@ -149,6 +186,77 @@ def flops(compiled) -> float:
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     return float(cost.get("flops", 0.0))
+
+
+def momentum_per_device(state) -> dict:
+    """Bytes of Muon's momentum each device holds, from the state's shards."""
+    per: dict = {}
+    for x in jax.tree_util.tree_leaves(_nodes(state.opt_state)[0].mu):
+        for shard in x.addressable_shards:
+            per[shard.device] = per.get(shard.device, 0) + shard.data.nbytes
+    return per
+
+
+def ns_program_flops(mesh, counts: dict, mode: str = "balanced") -> float:
+    """Per-device FLOPs (XLA's cost analysis) of the owner Newton–Schulz program alone at stage 1
+    for ``counts`` ``{(m, n): matrices}``: ``balanced`` (zerojax's), ``full`` (every owner runs
+    every slot of its blocks, padding included, as before the balance) or ``one`` (the
+    iterations on every matrix, on one device)."""
+    n = mesh.shape["data"]
+    coeffs = _nodes(optax.contrib.muon(1e-3).init({"w": jnp.zeros((4, 4))}))[0].ns_coeffs
+    if mode == "one":
+        stacks = {k: jax.ShapeDtypeStruct((c,) + k, jnp.float32) for k, c in counts.items()}
+        fn = jax.jit(lambda st: _newton_schulz(st, coeffs, 1e-8, lambda run, x, _: run(x)))
+        return flops(fn.lower(stacks).compile())
+    per_device = balance(counts, n)
+    if mode == "full":
+        per_device = tuple({k: -(-c // n) for k, c in counts.items()} for _ in range(n))
+    stacks = {k: jax.ShapeDtypeStruct((-(-c // n) * n,) + k, jnp.float32,
+                                      sharding=NamedSharding(mesh, P("data"))) for k, c in counts.items()}
+    plan = types.SimpleNamespace(data_axis="data", mesh=mesh, stage=1)
+    fn = jax.jit(lambda st: _newton_schulz(st, coeffs, 1e-8, _owners(plan), per_device))
+    return flops(fn.lower(stacks).compile())
+
+
+def matrix_counts(params) -> dict:
+    counts: dict = {}
+    for x in jax.tree_util.tree_leaves(params):
+        if x.ndim >= 2:
+            key = tuple(x.shape[-2:])
+            counts[key] = counts.get(key, 0) + math.prod(x.shape[:-2])
+    return counts
+
+
+def per_device_goals(mesh, params, state) -> None:
+    """The per-device goals: Muon momentum bytes = 4 Psi_muon / N (within one matrix) on every
+    device, and Newton–Schulz FLOPs per device <= 1.15 x total / N, on the model and on
+    weakest-case shapes (fewer matrices of a shape than devices)."""
+    n = mesh.shape["data"]
+    mats = [x for x in jax.tree_util.tree_leaves(params) if x.ndim >= 2]
+    want = 4 * sum(x.size for x in mats) / n
+    one = 4 * max(x.shape[-1] * x.shape[-2] for x in mats)
+    per = momentum_per_device(state)
+    worst = max(abs(b - want) for b in per.values())
+    print(f"Muon momentum per device (zj-muon-s1): {min(per.values()) / 1e6:.3f}-{max(per.values()) / 1e6:.3f} MB "
+          f"on {len(per)} devices, 4 Psi_muon / N = {want / 1e6:.3f} MB, one matrix {one / 1e6:.3f} MB: "
+          f"{'PASS' if len(per) == n and worst <= one else 'FAIL'} (|diff| <= one matrix)")
+    d = params["l0"]["a"].shape[0]
+    cases = {f"the model ({len(params)} layers)": matrix_counts(params),
+             f"3 x [{d},{4 * d}]": {(d, 4 * d): 3},
+             f"3 x [{d},{4 * d}] + 5 x [{4 * d},{d}]": {(d, 4 * d): 3, (4 * d, d): 5},
+             "3 layers": {k: 3 for k in matrix_counts(params)}}
+    print("Newton–Schulz FLOPs per device, stage 1: the owner program alone, compiled, against the same "
+          "iterations on one device over N (goal <= 1.15x; floor: whole matrices on owners, the costliest "
+          "matrix or total/N)")
+    print(f"  {'case':<34} {'total/N':>9} {'unbalanced':>10} {'balanced':>9} {'x total/N':>9} {'floor':>6}  goal")
+    for name, counts in cases.items():
+        exact = sum(c * ns_flops(*k) for k, c in counts.items())
+        floor = max(exact / n, max(ns_flops(*k) for k in counts)) / (exact / n)
+        total = ns_program_flops(mesh, counts, "one")
+        full, mine = ns_program_flops(mesh, counts, "full"), ns_program_flops(mesh, counts)
+        ratio = mine / (total / n)
+        verdict = "PASS" if ratio <= 1.15 else "FAIL" + (" (the floor)" if floor > 1.15 else "")
+        print(f"  {name:<34} {total / n:>9.2e} {full:>10.2e} {mine:>9.2e} {ratio:>9.2f} {floor:>6.2f}  {verdict}")
 
 
 def main(argv=None):
@@ -173,6 +281,8 @@ def main(argv=None):
     print(f"{args.layers} layers, d {args.d}, batch {args.batch}, {psi / 1e6:.2f}M params "
           f"({muon_psi / psi:.3f} of them in Muon's matrices), {mesh.shape['data']} devices, fp32")
     runners = {name: CONTENDERS[name](params, mesh) for name in args.contenders}
+    per_device_goals(mesh, params, runners["zj-muon-s1"].state if "zj-muon-s1" in runners
+                     else ZeroJax(params, muon, 1, mesh).state)
     head = (f"{'contender':<15} {'collectives':>11} {'bytes/4Psi':>10} {'-adamw':>7} {'FLOPs/dev':>10}  by kind   "
             "(-adamw: bytes over AdamW's at the same stage, in Muon params' bytes)")
     print(head)

@@ -130,7 +130,7 @@ SLOW = {
         "three subprocesses, three contenders compiled twice each",
     "tests/test_benchmarks.py::test_bigger_than_memory_smoke_trains_and_prints_the_disk_figures":
         "a subprocess training ZeRO-Infinity's GPT and measuring the disk (8 s)",
-    "tests/test_benchmarks.py::test_muon_smoke_prints_every_contender": "a subprocess compiling fourteen contenders (17 s with eight)",
+    "tests/test_benchmarks.py::test_muon_smoke_prints_every_contender": "a subprocess compiling sixteen contenders and the owner programs (17 s with eight)",
     # every stage x every optimizer against plain optax, 10 steps each: 32 compiled steps + references
     "tests/test_step.py::test_matches_plain_optax_fp32": "32 compiled steps",
     # 65 real DeepSpeed configs, each through zj.initialize and three steps
@@ -229,7 +229,8 @@ BUDGET = {
                                     "with its 8 s deadline and a restart, SIGTERM at a step and during a save, each "
                                     "resumed) and the watchdog benchmark's smoke run",
     "tests/stages/test_muon.py": "77 s at load 8: Muon on owners against optax at stages 1-3, with accumulation, "
-                                 "stacked leaves and a compile per Newton-Schulz iteration count (994 programs)",
+                                 "stacked leaves and a compile per Newton-Schulz iteration count (994 programs); the "
+                                 "balanced owners, the momentum share per device and zero_optimizer on owners",
 }
 
 

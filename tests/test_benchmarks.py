@@ -57,11 +57,15 @@ def test_variadic_gather_smoke_reports_both_partitioners_and_an_equal_step():
 def test_muon_smoke_prints_every_contender():
     out = run("muon.py", "--smoke")
     for name in ("zj-adamw-s1", "zj-adamw-s3", "zj-muon-s1", "zj-muon-s3", "zj-optax-s1", "zj-optax-s3", "zj-adamw-s0",
-                 "zj-muon-s0", "zj-optax-s0", "zj-adamw-off-s1", "zj-muon-off-s1", "zj-optax-off-s1", "fsdp-muon",
-                 "ddp-muon"):
+                 "zj-muon-s0", "zj-optax-s0", "zj-adamw-off-s1", "zj-muon-off-s1", "zj-optax-off-s1", "zo-muon-s1",
+                 "zo-optax-s1", "fsdp-muon", "ddp-muon"):
         rows = [line for line in out.splitlines() if line.startswith(f"{name} ")]
         assert len(rows) == 2, f"{name!r} missing from:\n{out}"  # the collectives table and the timings
     assert "bytes/4Psi" in out and "ms/step" in out
+    # the per-device goals: momentum bytes and Newton–Schulz FLOPs, each with its verdict
+    assert "Muon momentum per device" in out and "PASS (|diff| <= one matrix)" in out, out
+    goals = [line for line in out.splitlines() if line.rstrip().endswith(("PASS", "FAIL (the floor)"))]
+    assert len(goals) == 4 and goals[2].rstrip().endswith("PASS"), out  # 3 + 5 matrices: balanced
 
 
 def test_bigger_than_memory_smoke_trains_and_prints_the_disk_figures():

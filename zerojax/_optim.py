@@ -15,6 +15,11 @@ dtypes as given. An inner update that reads the loss (reduce_on_plateau, polyak_
 it as ``tx.update(grads, opt_state, params, value=loss)``, as in optax; a function of the params
 (a line search's ``value_fn``) cannot be called on a partition and is refused by name.
 
+A recognised ``optax.contrib.muon`` (the update checked against optax's on probe values, see
+:mod:`zerojax.stages._muon`) runs its Newton–Schulz iterations on whole matrices, each on one
+owner of the data axis: one all-to-all per matrix shape to the owners and one back (stage 0:
+one all-gather), instead of a collective per matmul of a partitioned leaf.
+
 ``offload_optimizer="cpu"`` (ZeRO-Offload): the state is stored in pinned host memory and the
 update is computed on the host
 (``compute_on("device_host")``): each device's partition of the gradients and params travels
@@ -50,6 +55,7 @@ from zerojax.offload._host_update import native_adam_pass, on_cpu_mesh
 from zerojax._plan import DEVICE, ZeroPlan
 from zerojax.stages import _collectives as C
 from zerojax.stages._adam import adam_recipe
+from zerojax.stages._muon import muon_recipe, muon_updates
 from zerojax.stages._update import takes_value
 from zerojax.update._pipeline import clip_gradients, host_or_device
 from zerojax.update._recognize import describe
@@ -170,8 +176,14 @@ def zero_optimizer(tx: optax.GradientTransformation, *, mesh=None,
         """Partitioned grads/params and the inner state, all padded -> padded updates and state;
         ``value`` (the loss, None when the inner update does not take it) passed on as given."""
         extra = {} if value is None else {"value": value}
-        new_updates, inner = tx.update(placement.to_update(plan, grads), placement.opt_to_update(plan, inner),
-                                       placement.to_update(plan, params), **extra)
+        args = (placement.to_update(plan, grads), placement.opt_to_update(plan, inner), placement.to_update(plan, params))
+        # a recognised optax.contrib.muon: Newton–Schulz on whole matrices, each on its owner (the
+        # offloaded update keeps optax's: it runs on the host or, lifted, under vmap)
+        muon = None if offload else muon_recipe(plan, tx)
+        if muon is not None:
+            new_updates, inner = muon_updates(plan, muon, tx, *args)
+        else:
+            new_updates, inner = tx.update(*args, **extra)
         return placement.to_storage(plan, new_updates), placement.opt_to_storage(plan, inner)
 
     def lifted_update(plan: ZeroPlan, grads, inner, params, value=None):

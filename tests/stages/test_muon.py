@@ -2,6 +2,8 @@
 equal to one-device optax at stages 1–3 with gradient accumulation, its step holds a fixed
 number of collectives (all-to-alls per matrix shape, none per Newton–Schulz matmul), and a
 Muon-like transformation it does not recognise keeps running through optax."""
+import os
+import types
 import warnings
 
 import jax
@@ -10,14 +12,33 @@ import numpy as np
 import optax
 import optax.contrib
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import zerojax as zj
 from zerojax._plan import path_str
 from zerojax._state import unshard_params
 from zerojax.config._optimizers import muon_dimension_numbers, optimizer_from_config
-from zerojax.stages._muon import muon_recipe
+from zerojax.stages import _muon
+from zerojax.stages._muon import _newton_schulz, _nodes, _owners, balance, muon_recipe, ns_flops
 from zerojax.tools._compiled import collectives
 from tests.helpers import batches, init_params, loss_fn, max_rel_err, reference_run
+
+
+@pytest.fixture(autouse=True)
+def _release_compiled_programs():
+    """Each compiled CPU program holds memory maps until JAX's caches let it go, and this file's
+    recognition probes and owner programs fill those caches: past 65530 maps (Linux's default
+    vm.max_map_count) the next compile segfaults. Past 30000 the caches are cleared (the
+    persistent compilation cache still serves the programs)."""
+    yield
+    try:
+        with open("/proc/self/maps") as f:
+            maps = sum(1 for _ in f)
+    except OSError:  # not Linux: no such limit to watch
+        return
+    if maps > 30000:
+        jax.clear_caches()
 
 
 def _ds(stage, gas):
@@ -217,11 +238,58 @@ def test_partially_offloaded_muon_keeps_each_side_and_equals_optax():
     assert max_rel_err(unshard_params(state), ref.params) < 1e-5
 
 
-def test_muon_with_nvme_offload_is_refused_by_name():
+def test_muon_with_zenflow_is_refused_by_name():
+    """ZenFlow updates AdamW-family state on the host: Muon is refused, named, with the
+    offloads that run it."""
     ds = _offloaded(_ds(2, 1))
-    ds["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": "/tmp"}
-    with pytest.raises(zj.ConfigError, match="nvme"):
+    ds["zero_optimization"]["zenflow"] = {"topk_ratio": 0.1}
+    with pytest.raises(zj.OptimizerError, match="zenflow") as e:
         zj.initialize(init_params(jax.random.PRNGKey(0)), loss_fn, ds)
+    assert "does not run Muon (optax.contrib.muon" in str(e.value) and 'offload_optimizer "cpu" or "nvme"' in str(e.value)
+
+
+def test_nvme_refuses_a_muon_it_does_not_recognise_by_name(tmp_path):
+    """A Muon the NVMe loop cannot reproduce (its lr a schedule outside inject_hyperparams) is
+    refused, named, with the ways to build one it runs."""
+    tx = optax.contrib.muon(optax.linear_schedule(0.02, 0.0, 10))
+    state = zj.shard_train_state(init_params(jax.random.PRNGKey(0)), tx, mesh=zj.make_mesh(),
+                                 config=zj.ZeroConfig(stage=2, offload_optimizer="nvme", nvme_path=str(tmp_path)))
+    with pytest.raises(zj.OptimizerError, match="nvme") as e:
+        zj.make_train_step(loss_fn, state)
+    assert "Muon (optax.contrib.muon" in str(e.value) and "inject_hyperparams" in str(e.value)
+
+
+def _host_loop(step):
+    """The NVMe host loop inside the step zj.initialize returns."""
+    while not hasattr(step, "store"):
+        step = step.step
+    return step
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_nvme_muon_keeps_its_momentum_in_the_files_and_equals_optax(stage, tmp_path):
+    """offload_optimizer nvme with DeepSpeed's Muon: the master, the Muon momentum and the AdamW
+    moments live in the store's files; each step reads the momentum, orthogonalises on the
+    device's owners and updates in one pass over the files. 10 steps equal one-device optax,
+    params and momentum."""
+    params, data = init_params(jax.random.PRNGKey(0)), batches(10)
+    ds = _ds(stage, 1)
+    ds["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": str(tmp_path)}
+    state, step = zj.initialize(params, loss_fn, ds)
+    loop = _host_loop(step)
+    assert loop.muon is not None and state.plan.optimizer_state_outside
+    for b in data:
+        state, metrics = step(state, b)
+    p, ref_state = _reference_with_state(_reference_tx(), loss_fn, params, data)
+    assert max_rel_err(unshard_params(state), p) < 1e-5
+    assert float(metrics["learning_rate"]) == pytest.approx(0.02)
+    m = state.plan.treedef.unflatten(jax.tree_util.tree_leaves(loop.layout.views(loop.store.read("m"))))
+    want = _nodes(ref_state)[0].mu
+    muon = {path_str(k) for k, x in jax.tree_util.tree_flatten_with_path(want)[0]}
+    by_path = lambda tree: {path_str(k): np.asarray(x) for k, x in jax.tree_util.tree_flatten_with_path(tree)[0]  # noqa: E731
+                            if path_str(k) in muon}
+    assert muon and max_rel_err(by_path(m), by_path(want)) < 1e-5
+    assert any(f.startswith("slot") for _, _, files in os.walk(tmp_path) for f in files)
 
 
 def test_an_overflowing_fp16_step_leaves_offloaded_muon_state_bitwise_unchanged():
@@ -300,3 +368,131 @@ def test_offloaded_muon_checkpoints_restore_on_the_device_and_offloaded(tmp_path
             restored, _ = step(restored, b)
         assert max_rel_err(unshard_params(restored), ref.params) < 1e-5
     assert _moment_kinds(restored.opt_state) == {"muon": {"pinned_host"}, "adam": {"pinned_host"}}
+
+
+# ------------------------------------------------------------------ per-device shares
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_each_device_holds_a_1_over_n_share_of_the_muon_momentum(stage):
+    """From the state's shards: every device holds 4 Psi_muon / N bytes of Muon momentum, within
+    one matrix (the partitions' padding), and nothing of the AdamW leaves in it."""
+    params = _layer_params(3, d=16)
+    tx = optax.inject_hyperparams(optax.contrib.muon)(learning_rate=1e-3)
+    state = zj.shard_train_state(params, tx, mesh=zj.make_mesh(), config=zj.ZeroConfig(stage=stage))
+    assert muon_recipe(state.plan, tx) is not None
+    mu = jax.tree_util.tree_leaves(_nodes(state.opt_state)[0].mu)
+    assert sorted(x.shape for x in mu) == sorted(x.shape for x in jax.tree_util.tree_leaves(params) if x.ndim == 2)
+    per = {}
+    for x in mu:
+        for shard in x.addressable_shards:
+            per[shard.device] = per.get(shard.device, 0) + shard.data.nbytes
+    n = state.plan.n
+    want = 4 * sum(x.size for x in mu) / n
+    assert len(per) == n and all(abs(b - want) <= 4 * 16 * 64 for b in per.values()), (per, want)
+
+
+def _ns_flops_compiled(counts, per_device=None, one_device=False):
+    """Per-device FLOPs of the owner Newton–Schulz program alone (stage 1) for ``counts``, or
+    (``one_device``) of the iterations on every matrix on one device."""
+    mesh = zj.make_mesh()
+    n = mesh.devices.size
+    coeffs = _nodes(optax.contrib.muon(1e-3).init({"w": jnp.zeros((4, 4))}))[0].ns_coeffs
+    if one_device:
+        stacks = {k: jax.ShapeDtypeStruct((c,) + k, jnp.float32) for k, c in counts.items()}
+        fn = jax.jit(lambda st: _newton_schulz(st, coeffs, 1e-8, lambda run, x, _: run(x)))
+    else:
+        per_device = per_device or balance(counts, n)
+        stacks = {k: jax.ShapeDtypeStruct((-(-c // n) * n,) + k, jnp.float32,
+                                          sharding=NamedSharding(mesh, P("data"))) for k, c in counts.items()}
+        plan = types.SimpleNamespace(data_axis="data", mesh=mesh, stage=1)
+        fn = jax.jit(lambda st: _newton_schulz(st, coeffs, 1e-8, _owners(plan), per_device))
+    cost = fn.lower(stacks).compile().cost_analysis()
+    return float((cost[0] if isinstance(cost, (list, tuple)) else cost)["flops"])
+
+
+def test_shapes_with_fewer_matrices_than_devices_are_balanced_over_the_owners():
+    """3 matrices of one shape and 5 of another (as costly) on 8 devices: each owner runs the
+    iterations on one real matrix (the compiled program's FLOPs per device within 1.15x of the
+    iterations' on one device over N), where running every slot of each shape's blocks (padding
+    included) costs 2x."""
+    counts = {(16, 64): 3, (64, 16): 5}
+    per_device = balance(counts, 8)
+    assert sorted(sum(a.values()) for a in per_device) == [1] * 8
+    assert sum(c * ns_flops(*k) for k, c in counts.items()) == 8 * ns_flops(16, 64)
+    total = _ns_flops_compiled(counts, one_device=True)
+    full = _ns_flops_compiled(counts, tuple({k: 1 for k in counts} for _ in range(8)))
+    mine = _ns_flops_compiled(counts)
+    assert full > 1.8 * total / 8  # the unbalanced program: two matrices per owner
+    assert mine <= 1.15 * total / 8
+
+
+def _reference_with_state(tx, loss, params, data):
+    """One-device optax, jitted: (params, optimizer state) after ``data``."""
+    @jax.jit
+    def step(p, s, b):
+        u, s = tx.update(jax.grad(loss)(p, b), s, p)
+        return optax.apply_updates(p, u), s
+
+    p, s = params, tx.init(params)
+    for b in data:
+        p, s = step(p, s, b)
+    return p, s
+
+
+@pytest.mark.parametrize("branches", [32, 1], ids=["a-branch-per-owner", "every-slot"])
+def test_balanced_owners_train_like_optax(branches, monkeypatch):
+    """The balanced assignment (3 matrices of one shape, 5 of another, each owner its own
+    branch) trains equal to one-device optax over 10 steps; so does the program past its
+    branch limit, where every owner iterates on every slot (the empty ones stay zero)."""
+    monkeypatch.setattr(_muon, "_MAX_BRANCHES", branches)
+    rng = np.random.default_rng(0)
+    params = {"a": (rng.standard_normal((3, 16, 24)) * 0.3).astype(np.float32),
+              "b": (rng.standard_normal((5, 24, 16)) * 0.3).astype(np.float32)}
+    dims = muon_dimension_numbers()
+
+    def loss(p, batch):
+        h = batch["x"]
+        for i in range(3):
+            h = jnp.tanh(h @ p["a"][i]) @ p["b"][i]
+        return jnp.mean((h @ p["b"][3:].sum(0).T - batch["y"]) ** 2) + jnp.mean(p["b"][4] ** 2)
+
+    data = [{"x": rng.standard_normal((16, 16)).astype(np.float32), "y": rng.standard_normal((16, 24)).astype(np.float32)}
+            for _ in range(10)]
+    make = lambda: optax.contrib.muon(0.02, weight_decay=0.01, muon_weight_dimension_numbers=dims)  # noqa: E731
+    state = zj.shard_train_state(params, make(), mesh=zj.make_mesh(), config=zj.ZeroConfig(stage=2))
+    assert muon_recipe(state.plan, state.tx) is not None
+    step = zj.make_train_step(loss, state)
+    for b in data:
+        state, _ = step(state, b)
+    p, _ = _reference_with_state(make(), loss, params, data)
+    assert max_rel_err(unshard_params(state), p) < 1e-5
+
+
+# ------------------------------------------------------------------ zj.zero_optimizer
+
+
+@pytest.mark.parametrize("stage", [0, 1, 3])
+def test_zero_optimizer_runs_muon_on_owners_and_equals_optax(stage):
+    """zj.zero_optimizer(optax.contrib.muon(...)) in the caller's own jitted loop: the iterations
+    on owners (one all-to-all per matrix shape each way at stages 1-3, one all-gather at stage 0;
+    no all-reduce per Newton–Schulz matmul, which optax's update on the partitions makes), and
+    10 steps equal one-device optax."""
+    params, data = init_params(jax.random.PRNGKey(0)), batches(10)
+    make = lambda: optax.contrib.muon(0.02, weight_decay=0.01)  # noqa: E731
+    tx = zj.zero_optimizer(make(), mesh=zj.make_mesh(), config=zj.ZeroConfig(stage=stage))
+    opt_state = tx.init(params)
+
+    @jax.jit
+    def step(p, s, b):
+        u, s = tx.update(jax.grad(loss_fn)(p, b), s, p)
+        return optax.apply_updates(p, u), s
+
+    got = collectives(step.lower(params, opt_state, data[0]).compile().as_text())
+    shapes = {x.shape for x in jax.tree_util.tree_leaves(params) if x.ndim == 2}  # Muon's leaves
+    kind = "all-to-all" if stage else "all-gather"
+    assert got.count(kind) == (2 if stage else 1) * len(shapes) and got.count("all-reduce") == 0, got.kinds
+    p = params
+    for b in data:
+        p, opt_state = step(p, opt_state, b)
+    assert max_rel_err(p, reference_run(params, make(), data).params) < 1e-5

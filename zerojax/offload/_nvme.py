@@ -225,9 +225,12 @@ class NvmeOptimizerStore:
                 a, b = self._bounds(i)
                 k = b - a
                 buf16 = self._bufs16[i % 3]
+                # an optimizer whose rule differs by element (Muon's two groups) is told where it is
+                where = {"offset": a} if getattr(self.optimizer, "takes_offset", False) else {}
                 self.optimizer.step(buf[0, :k], grads_flat[a:b], buf[1, :k], buf[2, :k],
                                     count, lr=lr, grad_scale=grad_scale,
-                                    out16=buf16[:k] if buf16 is not None else None if out16 is None else out16[a:b])
+                                    out16=buf16[:k] if buf16 is not None else None if out16 is None else out16[a:b],
+                                    **where)
                 writes.append(self._writer.submit(self._write_group, dst, i, buf, buf16))
             self._wait(writes)
             if self.fsync:

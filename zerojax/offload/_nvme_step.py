@@ -1,5 +1,8 @@
 """The train step for ``offload_optimizer="nvme"``: AdamW over a state kept in files.
 
+(A recognised ``optax.contrib.muon`` keeps its momentum in the same files and orthogonalises on
+the device's owners between reading it and the pass over the files: :mod:`zerojax.offload._nvme_muon`.)
+
 ZeRO-Infinity's data flow: the jitted device part computes the reduced gradients (in the
 compute dtype), the host streams the fp32 master and Adam moments from ``nvme_path`` through
 ``NvmeOptimizerStore`` sub-group by sub-group (reads ahead, writes behind, crash-safe commits)
@@ -33,8 +36,10 @@ from zerojax.offload._flat import FlatLayout
 from zerojax.offload._host_buffers import release
 from zerojax.offload._host_rule import HostOptimizer
 from zerojax.offload._nvme import NvmeOptimizerStore, _validate_dir
+from zerojax.offload._nvme_muon import MuonHost
 from zerojax.offload._nvme_params import DiskLayout, NvmeSource, ParamReader, local_devices
 from zerojax.stages._gradients import grads_fn
+from zerojax.stages._muon import muon_recipe
 from zerojax._state import TrainState
 from zerojax.update._pipeline import check_gradients, step_metrics
 from zerojax.update._recognize import StepSettings, recognize, refuse
@@ -81,10 +86,10 @@ class HostLoopStep(StepBase):
             raise ConfigError("offload_optimizer='nvme' with precision='fp16' is not supported. Fix: use bf16")
         self.plan, self.cfg, self.check_errors = plan, cfg, check_errors
         opt = recognize(state.tx)
-        if opt is None:
+        # optax.contrib.muon: its momentum in the store's m, Newton–Schulz on the device's owners
+        self.muon = muon_recipe(plan, state.tx, host_loop=True) if opt is None else None
+        if opt is None and self.muon is None:
             raise refuse(state.tx, f"offload_optimizer={cfg.offload_optimizer!r} (the host loop)")
-        self.settings = StepSettings(state.tx, opt)
-        self.host_opt = HostOptimizer(opt, self.settings.peek())
         self.cdt = plan.compute_dtype
         # params on NVMe: the flat order is each leaf's disk layout (split dim first), else the user's shapes
         self.disk = DiskLayout.of(plan) if cfg.offload_param == "nvme" else None
@@ -99,11 +104,20 @@ class HostLoopStep(StepBase):
             raise ConfigError(f"offload_param='nvme' splits each param over the data axis only; the mesh also splits "
                               f"over {others} (tensor, sequence or pipeline parallelism). Fix: use offload_param "
                               "'cpu' with those axes, or a mesh of the data axis alone")
+        if self.disk is not None and self.muon is not None:
+            raise ConfigError("offload_param='nvme' with Muon is not supported: Muon's host step keeps the params in "
+                              "the user's shapes, not in the files' layout. Fix: use offload_param 'cpu' with Muon "
+                              "(its momentum stays on NVMe)")
         if self.disk is not None and store != "nvme":
             raise ConfigError("offload_param='nvme' keeps the params in the NVMe optimizer store's files: "
                               "use store='nvme'")
         self.layout = self.disk.flat if self.disk is not None else \
             FlatLayout.from_tree([jax.ShapeDtypeStruct(lay.shape, np.float32) for lay in plan.leaves])
+        if self.muon is not None:
+            self.settings = self.host_opt = MuonHost(plan, state.tx, self.muon, self.layout)
+        else:
+            self.settings = StepSettings(state.tx, opt)
+            self.host_opt = HostOptimizer(opt, self.settings.peek())
         n = self.layout.total
         if store == "nvme":
             _validate_dir(cfg.nvme_path)  # missing / not a directory / not writable: a clear error now
@@ -187,7 +201,11 @@ class HostLoopStep(StepBase):
         if not skip:
             self.layout.fill(self.grads, grads)
             self.count += 1
-            self.host_opt.use(self.settings.next())
+            if self.muon is not None:  # the momentum read from the store, orthogonalised on owners
+                m = self.store.read("m") if hasattr(self.store, "read") else self.store.m
+                self.host_opt.prepare(self.grads, m, self.count)
+            else:
+                self.host_opt.use(self.settings.next())
             # a failed write raises NvmeError here; the store keeps its last committed step and
             # the caller's state (not donated) is untouched
             self.store.step(self.grads, self.count, lr=float(hp["learning_rate"]), out16=self.out16)

@@ -481,12 +481,42 @@ def describe(tx) -> str:
         return type(tx).__name__
     names = [type(x).__name__ for x in jax.tree_util.tree_leaves(
         state, is_leaf=lambda x: isinstance(x, tuple) and hasattr(x, "_fields"))]
+    if _holds(state, "MuonState"):
+        return MUON
     inner = ", ".join(dict.fromkeys(n for n in names if n not in ("EmptyState", "ndarray", "ArrayImpl")))
     return f"an optimizer with state ({inner or 'none'})"
 
 
+MUON = 'Muon (optax.contrib.muon; DeepSpeed\'s "type": "Muon")'
+
+
+def _holds(state, name: str, depth: int = 0) -> bool:
+    """Whether a node of type ``name`` sits anywhere in the optimizer state ``state``."""
+    if type(state).__name__ == name:
+        return True
+    if depth > 12:
+        return False
+    children = state.values() if isinstance(state, dict) else state if isinstance(state, (tuple, list)) else ()
+    return any(_holds(x, name, depth + 1) for x in children)
+
+
 def refuse(tx, path: str, supported: str = "Adam/AdamW, SGD (momentum, Nesterov) and Lion") -> OptimizerError:
     """The error for a ``tx`` the ``path`` cannot run: names both and what it runs."""
+    name = describe(tx)
+    if name == MUON and "nvme" in path:
+        return OptimizerError(
+            f"{path} runs {name} where it recognises it: optax.contrib.muon with a fixed learning rate or "
+            "under optax.inject_hyperparams, fp32 states, a data-only mesh, its update checked against optax's. "
+            "This one it does not (a schedule outside inject_hyperparams, nesterov=False, another ns_steps or "
+            "preconditioning, low-precision states, a tensor-parallel mesh). Fix: build it that way (DeepSpeed's "
+            '"type": "Muon" does), or use offload_optimizer "cpu", where every optax.contrib.muon runs')
+    if name == MUON:
+        return OptimizerError(
+            f"{path} does not run {name}: it reproduces {supported} on the host, outside optax, "
+            "element-wise, and Muon's Newton–Schulz iterations need each matrix whole, on a device. Fix: "
+            'use offload_optimizer "cpu" or "nvme" (zero_optimization.offload_optimizer.device), where Muon\'s '
+            "momentum lives in host memory or in files and each matrix is orthogonalised on its owner, or keep "
+            "the optimizer state on the device")
     return OptimizerError(
         f"{path} runs the optimizer update outside optax and reproduces {supported} (plain, or "
         f"optax.inject_hyperparams of them) exactly; the given optimizer is {describe(tx)}, which it does "

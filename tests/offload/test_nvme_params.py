@@ -60,12 +60,16 @@ def test_nvme_params_train_as_params_in_host_memory(tmp_path, precision, gas):
         assert os.path.getsize(os.path.join(store, "slot0.bin")) == 14 * n
 
 
-def test_params_are_read_from_the_files_not_from_memory(tmp_path):
-    """Corrupting the committed params on disk changes the next step's loss: the step reads them."""
+def bf16_nvme_state(tmp_path):
     (tmp_path / "a").mkdir()
     config = zj.ZeroConfig(stage=3, precision="bf16", offload_optimizer="nvme", offload_param="nvme",
                            nvme_path=str(tmp_path / "a"), param_persistence_threshold=0)
-    state = zj.shard_train_state(init_params(jax.random.PRNGKey(0)), adamw(), config=config)
+    return zj.shard_train_state(init_params(jax.random.PRNGKey(0)), adamw(), config=config)
+
+
+def test_params_are_read_from_the_files_not_from_memory(tmp_path):
+    """Corrupting the committed params on disk changes the next step's loss: the step reads them."""
+    state = bf16_nvme_state(tmp_path)
     data = batches(2)
     with zj.make_train_step(loss_fn, state) as step:
         state, _ = step(state, data[0])
@@ -80,10 +84,7 @@ def test_params_are_read_from_the_files_not_from_memory(tmp_path):
 
 
 def test_a_damaged_params_file_is_a_named_error(tmp_path):
-    (tmp_path / "a").mkdir()
-    config = zj.ZeroConfig(stage=3, precision="bf16", offload_optimizer="nvme", offload_param="nvme",
-                           nvme_path=str(tmp_path / "a"), param_persistence_threshold=0)
-    state = zj.shard_train_state(init_params(jax.random.PRNGKey(0)), adamw(), config=config)
+    state = bf16_nvme_state(tmp_path)
     data = batches(2)
     with zj.make_train_step(loss_fn, state) as step:
         state, _ = step(state, data[0])

@@ -177,3 +177,25 @@ def test_nvme_params_are_read_where_the_gpt_uses_them(tmp_path, scan):
         assert reader.reads >= once
     else:  # and again for the backward pass, where it reads the param (a bias's gradient does not)
         assert once < reader.reads < 2 * once
+
+
+@pytest.mark.parametrize("zeropp", [dict(hpz_partition_size=2), dict(quantized_weights=True)], ids=["hpz", "qwz"])
+def test_nvme_params_with_zeropp_equal_params_in_host_memory(tmp_path, zeropp):
+    """ZeRO++'s gathers read the NVMe shard like any other (hpZ's backward pass regathers from its
+    secondary partition, which it keeps, and reads nothing again)."""
+    tx = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1, momentum=0.9)
+    out = {}
+    for param in ("cpu", "nvme"):
+        (tmp_path / param).mkdir()
+        config = zj.ZeroConfig(stage=3, offload_optimizer="nvme", offload_param=param, nvme_path=str(tmp_path / param),
+                               param_persistence_threshold=0, **zeropp)
+        state = zj.shard_train_state(init_params(jax.random.PRNGKey(0)), tx, config=config)
+        with zj.make_train_step(loss_fn, state) as step:
+            for b in batches(3):
+                state, m = step(state, b)
+            out[param] = (step.full_params() if param == "nvme" else
+                          state.plan.treedef.unflatten([np.asarray(x) for x in
+                                                        placement.params_logical(state.plan, state.params)]),
+                          float(m["loss"]))
+    np.testing.assert_allclose(out["nvme"][1], out["cpu"][1], rtol=1e-6)
+    assert max_rel_err(out["nvme"][0], out["cpu"][0]) < 1e-6

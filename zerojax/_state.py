@@ -182,9 +182,15 @@ def abstract_train_state(params_or_init, tx: optax.GradientTransformation, *, me
     )
 
 
+def params_held(params) -> bool:
+    """False where ``params`` holds only shapes (``jax.ShapeDtypeStruct``s: ``offload_param="nvme"``
+    keeps the values in files between steps)."""
+    return not any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree_util.tree_leaves(params))
+
+
 def check_params_held(state: TrainState, doing: str) -> None:
-    """A StateError where ``state.params`` holds only shapes (``offload_param="nvme"``)."""
-    if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree_util.tree_leaves(state.params)):
+    """A StateError where ``state.params`` holds only shapes (:func:`params_held`)."""
+    if not params_held(state.params):
         raise StateError(f"{doing}: state.params holds only the params' shapes; with offload_param='nvme' the "
                          "params live in files under nvme_path. Fix: read them with step.full_params() (the step "
                          "that trains this state)")

@@ -39,7 +39,7 @@ def _pieces_of(step_dir: str, path: str, shape, piece: int, ctx):
         except CheckpointError:
             raise
         except Exception as e:  # tensorstore raises ValueError / OSError for a damaged or missing chunk
-            raise CheckpointError(f"cannot read params/{path} of checkpoint {step_dir}: {type(e).__name__}: {e}") from e
+            raise _pieces.unreadable("params/" + path, step_dir, e) from e
 
     return pieces(), lambda: total[0]
 

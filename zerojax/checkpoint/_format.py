@@ -397,8 +397,7 @@ def _read_in_pieces(state_dir: str, key: str, logical_shape, dests, piece: int, 
     except CheckpointError:
         raise
     except Exception as e:  # tensorstore raises ValueError / OSError for a damaged or missing chunk
-        raise CheckpointError(f"cannot read {key} of checkpoint {os.path.dirname(state_dir)}: "
-                              f"{type(e).__name__}: {e}") from e
+        raise _pieces.unreadable(key, os.path.dirname(state_dir), e) from e
     return out, checksum
 
 

@@ -33,7 +33,7 @@ from zerojax._errors import CheckpointError
 from zerojax.offload._host_buffers import release  # noqa: F401  (used as _pieces.release)
 
 __all__ = ["CHUNK_BYTES", "MIN_PIECE", "boxes", "build_leaf", "chunk_shape", "context", "host_checksums",
-           "np_checksum", "open_array", "read_box", "release"]
+           "np_checksum", "open_array", "read_box", "release", "unreadable"]
 
 # the largest stored chunk (bytes) a save writes: a restore in pieces decodes one at a time
 CHUNK_BYTES = 8 << 20
@@ -68,8 +68,13 @@ def open_array(state_dir: str, key: str, ctx: ts.Context):
     try:
         return ts.open(spec, open=True, read=True, context=ctx).result()
     except Exception as e:  # tensorstore raises ValueError / OSError for a missing or damaged array
-        raise CheckpointError(f"cannot read {key} of checkpoint {os.path.dirname(state_dir)}: "
-                              f"{type(e).__name__}: {e}") from e
+        raise unreadable(key, os.path.dirname(state_dir), e) from e
+
+
+def unreadable(key: str, step_dir: str, e: BaseException) -> CheckpointError:
+    """The error for a stored array tensorstore could not open or read (a missing or damaged
+    chunk: tensorstore raises ValueError or OSError)."""
+    return CheckpointError(f"cannot read {key} of checkpoint {step_dir}: {type(e).__name__}: {e}")
 
 
 def chunk_shape(store) -> tuple[int, ...]:

@@ -241,6 +241,10 @@ def _try(check, value):
         return None
 
 
+# offload_param's own fields beside its device (NVMe params' read-ahead), dropped with the block
+_PARAM_BUFFERS = ("offload_param_buffer_count", "offload_param_buffer_size", "offload_param_max_in_cpu")
+
+
 def zero_fields(zo, v: Verdicts) -> tuple[dict, dict]:
     """ZeroConfig fields from the zero_optimization block: (values, the key path of each)."""
     path = "zero_optimization"
@@ -257,8 +261,7 @@ def zero_fields(zo, v: Verdicts) -> tuple[dict, dict]:
         given = read_block(zo[name], table, bpath, v) if zo.get(name) is not None else {}
         values, where, refused = fields_of(given, bpath, v)
         blocks[name] = (values, where, given)
-        own = ("offload_optimizer", "offload_ratio") if name == "offload_optimizer" else (
-            "offload_param", "offload_param_buffer_count", "offload_param_buffer_size", "offload_param_max_in_cpu")
+        own = ("offload_optimizer", "offload_ratio") if name == "offload_optimizer" else ("offload_param",) + _PARAM_BUFFERS
         for f in own:
             fields[f], paths[f] = values[f], where[f]
         bad |= refused & set(own)
@@ -270,7 +273,7 @@ def zero_fields(zo, v: Verdicts) -> tuple[dict, dict]:
             fields[rule.field] = FIELDS[rule.field].default
             if rule.field == "offload_param":
                 blocks["offload_param"] = ({}, {}, {})
-                for f in ("offload_param_buffer_count", "offload_param_buffer_size", "offload_param_max_in_cpu"):
+                for f in _PARAM_BUFFERS:
                     fields[f] = FIELDS[f].default
     # nvme_path and pin_memory: one ZeroConfig field for both blocks, from the blocks in use
     active = [n for n in ("offload_optimizer", "offload_param") if fields[n] is not None]

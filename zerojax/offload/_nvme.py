@@ -142,6 +142,7 @@ class NvmeOptimizerStore:
         self.path = os.fspath(path)
         self.num_elements, self.sub_group_size = int(num_elements), int(sub_group_size)
         self.params_dtype = None if params_dtype is None else np.dtype(params_dtype)
+        self._params_name = None if params_dtype is None else self.params_dtype.name  # as the marker says it
         self.per_element = 12 + (0 if self.params_dtype is None else self.params_dtype.itemsize)
         self.slot_bytes = self.per_element * self.num_elements
         self._marker = os.path.join(self.path, _MARKER)
@@ -372,9 +373,9 @@ class NvmeOptimizerStore:
             raise NvmeError(self.path, f"the {_MARKER} marker cannot be read ({e})",
                             "restore it from a backup or delete the directory's contents "
                             "to start afresh") from e
-        if marker.get("params_dtype", None) != (None if self.params_dtype is None else self.params_dtype.name):
+        if marker.get("params_dtype", None) != self._params_name:
             raise NvmeError(self.path, f"holds a state with params_dtype {marker.get('params_dtype')}, "
-                            f"not {None if self.params_dtype is None else self.params_dtype.name}",
+                            f"not {self._params_name}",
                             "use another directory, or delete this one to start afresh")
         if marker.get("num_elements") != self.num_elements:
             raise NvmeError(self.path, f"holds a state of {marker.get('num_elements')} "
@@ -384,7 +385,7 @@ class NvmeOptimizerStore:
 
     def _commit(self, slot: int, count: int) -> None:
         tmp = self._marker + ".tmp"
-        pdt = None if self.params_dtype is None else self.params_dtype.name
+        pdt = self._params_name
         data = json.dumps({"slot": slot, "count": count, "num_elements": self.num_elements,
                            "params_dtype": pdt,
                            "layout": "master, m, v: fp32, num_elements each" + (f"; params: {pdt}" if pdt else "")})

@@ -32,6 +32,7 @@ import numpy as np
 from zerojax._plan import LeafLayout, ZeroPlan
 from zerojax.offload._flat import FlatLayout
 from zerojax.offload._host_buffers import release
+from zerojax.stages._collectives import local_shape
 
 __all__ = ["DiskLayout", "NvmeSource", "ParamReader"]
 
@@ -236,12 +237,10 @@ class NvmeSource:
 
     def params(self):
         plan = self.disk.plan
-        n = plan.n
         leaves = []
         for i, lay in enumerate(plan.leaves):
             if lay.params_partitioned:
-                shape = tuple(d // n if a == lay.axis else d for a, d in enumerate(lay.storage_shape))
-                leaves.append(jnp.zeros(shape, self.dtype))
+                leaves.append(jnp.zeros(local_shape(lay, plan.n), self.dtype))
             else:
                 leaves.append(self._fetch(i, jnp.float32(0)))
         return plan.treedef.unflatten(leaves)

@@ -40,7 +40,7 @@ from zerojax.offload._nvme_muon import MuonHost
 from zerojax.offload._nvme_params import DiskLayout, NvmeSource, ParamReader, local_devices
 from zerojax.stages._gradients import grads_fn
 from zerojax.stages._muon import muon_recipe
-from zerojax._state import TrainState
+from zerojax._state import TrainState, params_held
 from zerojax.update._pipeline import check_gradients, step_metrics
 from zerojax.update._recognize import StepSettings, recognize, refuse
 
@@ -137,7 +137,7 @@ class HostLoopStep(StepBase):
         if self.disk is None:
             self.store.init(self.layout.fill(np.empty(n, np.float32), placement.params_logical(plan, state.params)))
         else:
-            if not any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree_util.tree_leaves(state.params)):
+            if params_held(state.params):
                 self.store.init(self.layout.fill(np.empty(n, np.float32), self._disk_params(state.params)))
                 release()  # the whole-model fp32 copy init wrote from
             elif self.store.committed_count is None:
@@ -167,8 +167,8 @@ class HostLoopStep(StepBase):
         self._place = jax.jit(place, out_shardings=plan.param_shardings)
 
     def _disk_params(self, params) -> list:
-        """The stored params (arrays, in the plan's storage layout) as disk-layout host arrays."""
-        return [np.asarray(jax.jit(lambda x, _lay=lay: self.disk.to_disk(_lay, x))(x))
+        """The stored params (arrays, in the plan's storage layout) as disk-layout host views."""
+        return [np.moveaxis(np.asarray(x), lay.axis, 0) if lay.params_partitioned else np.asarray(x)
                 for lay, x in zip(self.plan.leaves, self.plan.treedef.flatten_up_to(params))]
 
     def _params_in(self, state: TrainState):
@@ -223,7 +223,7 @@ class HostLoopStep(StepBase):
         dtypes and shardings, no data."""
         plan = self.plan
         return plan.treedef.unflatten([
-            jax.ShapeDtypeStruct(lay.storage_shape if lay.params_partitioned else lay.shape, self.cdt, sharding=s)
+            jax.ShapeDtypeStruct(plan.param_shape(lay), self.cdt, sharding=s)
             for lay, s in zip(plan.leaves, plan.treedef.flatten_up_to(plan.param_shardings))])
 
     def full_params(self, dtype=None):

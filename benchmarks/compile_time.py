@@ -183,18 +183,25 @@ def hlo_counts(text: str) -> dict:
 
 def kernel_counts(lowered) -> dict:
     """The machine-code kernels XLA's CPU backend compiles for ``lowered`` (each a module of its
-    own for LLVM, identical fusions compiled once) and the size of their optimized LLVM IR, read
-    from XLA's dump of one more compile of the same program. Unlike seconds, these do not move
-    between runs: a kernel more is about 10-15 ms more to compile on this machine. Empty off CPU,
-    and where the program comes from a compilation cache (nothing is compiled then)."""
+    own for LLVM, identical fusions compiled once), the size of their object code and, where this
+    XLA dumps it (up to jax 0.11), of their optimized LLVM IR, read from XLA's dump of one more
+    compile of the same program. Unlike seconds, these do not move between runs: a kernel more is
+    about 10-15 ms more to compile on this machine. Empty off CPU, and where the program comes from
+    a compilation cache (nothing is compiled then)."""
     if jax.default_backend() != "cpu":
         return {}
     with tempfile.TemporaryDirectory() as dump:
         lowered.compile(compiler_options={"xla_dump_to": dump, "xla_dump_hlo_as_text": True})
-        ir = [os.path.join(dump, f) for f in os.listdir(dump) if f.endswith(".ir-with-opt.ll")]
-        if not ir:  # read back from JAX's persistent compilation cache (JAX decides once a process
-            return {}  # whether it reads the cache, and a dump directory is not part of its key)
-        return {"kernels": len(ir), "llvm_ir_kb": sum(map(os.path.getsize, ir)) / 1024}
+        files = lambda suffix: [os.path.join(dump, f) for f in os.listdir(dump) if suffix(f)]  # noqa: E731
+        objects = files(lambda f: ".obj-file." in f and f.endswith(".o"))
+        if not objects:  # read back from JAX's persistent compilation cache (JAX decides once a process
+            return {}    # whether it reads the cache, and a dump directory is not part of its key)
+        kb = lambda paths: sum(map(os.path.getsize, paths)) / 1024  # noqa: E731
+        out = {"kernels": len(objects), "object_kb": kb(objects)}
+        ir = files(lambda f: f.endswith(".ir-with-opt.ll"))
+        if ir:
+            out["llvm_ir_kb"] = kb(ir)
+        return out
 
 
 def forget() -> None:
@@ -414,7 +421,7 @@ def breakdown_table(args) -> dict:
     """Where each contender's first step goes, each in a fresh process: build, trace, lower,
     compile, run; the optimized module's op counts; XLA's slowest passes on the step."""
     head = (f"{'model':>9} {'contender':>9} {'build':>6} {'trace':>6} {'lower':>6} {'compile':>7} {'run':>5} "
-            f"{'instr':>6} {'fusion':>6} {'coll':>5} {'custom':>6} {'kernels':>7} {'IR KB':>6}  "
+            f"{'instr':>6} {'fusion':>6} {'coll':>5} {'custom':>6} {'kernels':>7} {'IR KB':>6} {'obj KB':>6}  "
             "slowest XLA passes of the step (s)")
     print("breakdown of the first step (seconds; op counts of the optimized module; kernels compiled)\n" + head, flush=True)
     out = {}
@@ -433,7 +440,7 @@ def breakdown_table(args) -> dict:
                 print(f"{kind + ' ' + str(layers):>9} {name:>9} {row['build_s']:6.2f} {row['trace_s']:6.2f} "
                       f"{row['lower_s']:6.2f} {row['compile_s']:7.2f} {row['run_s']:5.2f} {row['instructions']:6d} "
                       f"{row['fusions']:6d} {row['collectives']:5d} {row['custom_calls']:6d} "
-                      f"{row.get('kernels', 0):7d} {row.get('llvm_ir_kb', 0):6.0f}  "
+                      f"{row.get('kernels', 0):7d} {row.get('llvm_ir_kb', 0):6.0f} {row.get('object_kb', 0):6.0f}  "
                       f"HLO passes {row['hlo_passes_s']:.2f}; " +
                       ", ".join(f"{k} {v:.2f}" for k, v in row["passes"].items()), flush=True)
         if len(args.layers) > 1:

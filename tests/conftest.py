@@ -25,19 +25,28 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # differently, so parity tests between two zerojax programs hold roundings as roundings (SGD
 # where Adam would amplify a near-zero gradient's last bit). Test runs only: benchmarks and
 # users keep XLA's defaults. ZEROJAX_TEST_FAST_COMPILE=0 turns both off.
-if os.environ.get("ZEROJAX_TEST_FAST_COMPILE", "1") != "0":
-    if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
-        os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
-    if "xla_cpu_use_fusion_emitters" not in os.environ["XLA_FLAGS"]:
-        os.environ["XLA_FLAGS"] += " --xla_cpu_use_fusion_emitters=false"
+_FAST_COMPILE = ["--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false"]
+_SUITE_FLAGS = _FAST_COMPILE if os.environ.get("ZEROJAX_TEST_FAST_COMPILE", "1") != "0" else []
 
 # Eight simulated devices share two cores with the other worker: under that load a thread can
 # reach a collective's rendezvous late enough for XLA's CPU runtime to abort the process (its
 # termination timeout), which took a worker down mid-run once (the sequence-parallel remat test).
 # Tests give the runtime five minutes; a real deadlock still ends the process.
-for _flag in ("xla_cpu_collective_call_terminate_timeout_seconds", "xla_cpu_collective_timeout_seconds"):
-    if _flag not in os.environ["XLA_FLAGS"]:
-        os.environ["XLA_FLAGS"] += f" --{_flag}=300"
+_SUITE_FLAGS = _SUITE_FLAGS + [f"--{f}=300" for f in ("xla_cpu_collective_call_terminate_timeout_seconds",
+                                                      "xla_cpu_collective_timeout_seconds")]
+
+# XLA aborts the process on a flag it does not know, and flags come and go between releases
+# (jax 0.12's XLA has no --xla_cpu_use_fusion_emitters): only those this XLA knows are set. The
+# run's first process tries them once (zerojax._compat.known_xla_flags) and leaves the known ones
+# in ZEROJAX_TEST_XLA_FLAGS, where pytest-xdist's workers and the suite's children find them.
+if "ZEROJAX_TEST_XLA_FLAGS" not in os.environ:
+    from zerojax._compat import known_xla_flags
+
+    os.environ["ZEROJAX_TEST_XLA_FLAGS"] = " ".join(known_xla_flags(dict.fromkeys(_FAST_COMPILE + _SUITE_FLAGS)))
+    _known = os.environ["ZEROJAX_TEST_XLA_FLAGS"].split()
+    for _flag in _SUITE_FLAGS:
+        if _flag in _known and _flag.split("=", 1)[0].lstrip("-") not in os.environ["XLA_FLAGS"]:
+            os.environ["XLA_FLAGS"] += " " + _flag
 
 _OWN_CACHE = None
 if os.environ.get("ZEROJAX_TEST_JIT_CACHE", "1") != "0" and "JAX_COMPILATION_CACHE_DIR" not in os.environ:

@@ -28,7 +28,9 @@ BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # (--xla_cpu_use_fusion_emitters=false), which compile these programs about twice as fast; the
 # suite's own processes set the same flag (tests/conftest.py), so this matters for a child
 # started with ZEROJAX_TEST_FAST_COMPILE=0 or its own XLA_FLAGS.
-SMOKE_FLAGS = "--xla_cpu_use_fusion_emitters=false"
+SMOKE_FLAGS = ("--xla_cpu_use_fusion_emitters=false"
+               if "--xla_cpu_use_fusion_emitters=false" in os.environ.get("ZEROJAX_TEST_XLA_FLAGS", "").split()
+               else "")  # where this XLA knows the flag (tests/conftest.py)
 
 
 def run_benchmark(script: str, *args: str, timeout: float = 600) -> str:

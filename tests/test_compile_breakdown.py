@@ -59,8 +59,10 @@ def test_kernel_counts_read_the_kernels_xla_compiles_for_a_program():
     one = compile_time.kernel_counts(jax.jit(lambda a: jnp.sin(a) * 2.0).lower(x))
     # the same elementwise loop, a transpose of another shape and a reduction: kernels of their own
     three = compile_time.kernel_counts(jax.jit(lambda a: (jnp.sin(a) * 2.0, a.T * 3.0, jnp.exp(a).sum(0))).lower(x))
-    assert one["kernels"] >= 1 and one["llvm_ir_kb"] > 0
-    assert three["kernels"] >= one["kernels"] + 2 and three["llvm_ir_kb"] > one["llvm_ir_kb"]
+    assert one["kernels"] >= 1 and one["object_kb"] > 0
+    assert three["kernels"] >= one["kernels"] + 2 and three["object_kb"] > one["object_kb"]
+    if "llvm_ir_kb" in one:  # an XLA that dumps the kernels' LLVM IR (up to jax 0.11): one module a kernel
+        assert 0 < one["llvm_ir_kb"] < three["llvm_ir_kb"]
     # a program of other shapes compiles kernels of its own (the suite's persistent compilation
     # cache holds none of it yet), as many as the first
     other = compile_time.kernel_counts(jax.jit(lambda a: jnp.sin(a) * 2.0).lower(jnp.ones((56, 24), jnp.float32)))

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import enum
 import functools
 import threading
 
@@ -57,7 +58,20 @@ def automatic(mesh: Mesh) -> Mesh:
     types = getattr(mesh, "axis_types", None)
     if _AUTO is None or not types or all(t == _AUTO for t in types):
         return mesh
+    if not isinstance(mesh, Mesh):  # an AbstractMesh: no devices (its axes are explicit by default from jax 0.12)
+        return abstract_mesh(mesh.axis_sizes, mesh.axis_names)
     return Mesh(mesh.devices, mesh.axis_names, axis_types=(_AUTO,) * len(mesh.axis_names))
+
+
+def abstract_mesh(axis_sizes, axis_names):
+    """An AbstractMesh (a mesh's shape without devices) whose axes are all automatic, as
+    :func:`mesh_from_devices`'s: jax 0.12 makes an AbstractMesh's axes explicit unless told."""
+    from jax.sharding import AbstractMesh
+
+    sizes, names = tuple(int(s) for s in axis_sizes), tuple(axis_names)
+    if _AUTO is not None:
+        return AbstractMesh(sizes, names, axis_types=(_AUTO,) * len(names))
+    return AbstractMesh(sizes, names)  # pragma: no cover
 
 
 def primitives():
@@ -78,12 +92,21 @@ def inlined_call(primitive, params) -> bool:
     """Whether an equation (its ``primitive`` and ``params``) is a ``jit`` call that JAX inlines
     where it is staged (``inline=True``, no shardings or layouts of its own): ``jax.numpy``'s
     functions, kept as calls by :func:`make_jaxpr_keeping_calls`."""
-    return (primitive is _jit_p() and bool(params.get("inline"))
+    return (primitive is _jit_p() and _inlined_where_staged(params.get("inline"))
             and not params.get("compiler_options_kvs")
             and all(type(s).__name__ == "UnspecifiedValue" for s in params.get("in_shardings", ()))
             and all(type(s).__name__ == "UnspecifiedValue" for s in params.get("out_shardings", ()))
             and all(x is None for x in params.get("in_layouts", ()))
             and all(x is None for x in params.get("out_layouts", ())))
+
+
+def _inlined_where_staged(inline) -> bool:
+    """Whether a ``jit`` call's ``inline`` parameter inlines it where it is staged: ``True`` up to
+    jax 0.11; from jax 0.12 a ``jax.Inline`` whose ``JAX_EARLY`` does (its ``AUTO``, a truthy enum
+    member, keeps the call, and ``jit(inline=True)`` is ``JAX_LATE``: inlined when lowered)."""
+    if isinstance(inline, enum.Enum):
+        return inline.name == "JAX_EARLY"
+    return bool(inline)
 
 
 def make_jaxpr_keeping_calls(fn, *args):
@@ -138,13 +161,40 @@ except AttributeError:  # pragma: no cover
     from jax._src.core import Tracer  # noqa: F401
 
 
-def compute_on_host(fn):
-    """Run ``fn`` (traced inside a jitted step) on the host CPU of the device that owns the data."""
+def _compute_on():
     try:
         from jax.experimental.compute_on import compute_on
     except ImportError:  # pragma: no cover - if it leaves experimental
         compute_on = jax.compute_on
-    return compute_on("device_host")(jax.jit(fn))
+    return compute_on
+
+
+def compute_on_takes_memory_spaces() -> bool:
+    """Whether this JAX's ``compute_on`` asks for its outputs' memory spaces (``compute_type=`` and
+    ``out_memory_spaces=``, keyword-only: jax 0.12) rather than taking the compute type alone and
+    typing each output as the computation left it (earlier)."""
+    import inspect
+
+    return "out_memory_spaces" in inspect.signature(_compute_on()).parameters
+
+
+def compute_on_host(fn):
+    """Run ``fn`` (traced inside a jitted step) on the host CPU of the device that owns the data.
+    Each output stays in the memory space ``fn`` gives it (host state homed to host memory, the
+    params sent back to the device in device memory): where ``compute_on`` asks for the outputs'
+    memory spaces, they are read from a trace of ``fn`` on the same arguments."""
+    compute_on = _compute_on()
+    jitted = jax.jit(fn)
+    if not compute_on_takes_memory_spaces():
+        return compute_on("device_host")(jitted)
+
+    def run(*args):
+        closed, shapes = jax.make_jaxpr(jitted, return_shape=True)(*args)
+        treedef = jax.tree_util.tree_structure(shapes)
+        spaces = treedef.unflatten([aval.memory_space for aval in closed.out_avals])
+        return compute_on(jitted, compute_type="device_host", out_memory_spaces=spaces)(*args)
+
+    return run
 
 
 def same_memory_space(x, like):
@@ -241,6 +291,32 @@ def persisting_breaks(plan) -> bool:
             and plan.mesh.devices.flat[0].platform == "cpu")
 
 
+def known_xla_flags(flags, python: str | None = None) -> list:
+    """The flags of ``flags`` (each ``--name=value``) that this JAX's XLA knows. XLA reads
+    ``XLA_FLAGS`` when the first backend starts and aborts the process on a flag it does not know
+    (flags come and go between releases: jax 0.12's XLA has no ``--xla_cpu_use_fusion_emitters``),
+    so they are tried in a child process, which names every unknown flag in the line it aborts
+    with. ``python``: the interpreter to try them in (this one by default)."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    flags = [f for f in flags if f]
+    if not flags:
+        return []
+    env = dict(os.environ, XLA_FLAGS=" ".join(flags), JAX_PLATFORMS="cpu")
+    out = subprocess.run([python or sys.executable, "-c", "import jax; jax.devices()"], env=env,
+                         capture_output=True, text=True, timeout=300)
+    if out.returncode == 0:
+        return flags
+    match = re.search(r"Unknown flags? in XLA_FLAGS: (.*)", out.stderr)
+    if match is None:  # it failed for another reason: no flag is shown to be known
+        return []
+    unknown = {f.split("=", 1)[0] for f in match.group(1).split()}
+    return [f for f in flags if f.split("=", 1)[0] not in unknown]
+
+
 # XLA's CPU backend compiles a small program about 2.5x faster with its older emitters and no
 # LLVM optimisation; zerojax's probe programs (optimizer recognition, a gated pass's check) are a
 # few dozen scalar operations on a handful of values, run once each, so only their compile counts
@@ -249,14 +325,22 @@ _PROBE_OPTIONS = {"xla_cpu_use_fusion_emitters": False, "xla_backend_optimizatio
 
 @functools.lru_cache(maxsize=None)
 def probe_options():
-    """:data:`_PROBE_OPTIONS` on a CPU backend whose XLA accepts them, else None."""
+    """Those of :data:`_PROBE_OPTIONS` this XLA accepts (jax 0.12's has no older emitters), on a
+    CPU backend; None where it accepts none, or off CPU."""
     if jax.default_backend() != "cpu":
         return None
-    try:
-        jax.jit(lambda x: x + 1, compiler_options=_PROBE_OPTIONS).lower(np.float32(0)).compile()
-    except Exception:  # noqa: BLE001 - an XLA without these options: compile as usual
-        return None
-    return _PROBE_OPTIONS
+
+    def accepted(options):
+        try:
+            jax.jit(lambda x: x + 1, compiler_options=options).lower(np.float32(0)).compile()
+        except Exception:  # noqa: BLE001 - an XLA without the option: compile as usual
+            return False
+        return True
+
+    if accepted(_PROBE_OPTIONS):
+        return _PROBE_OPTIONS
+    options = {k: v for k, v in _PROBE_OPTIONS.items() if accepted({k: v})}
+    return options or None
 
 
 def probe_jit(fn):

@@ -136,6 +136,15 @@ class StepWrapper:
 
     step: Step
 
+    # Step's members, defined here rather than left to __getattr__: from Python 3.12, isinstance
+    # against a runtime-checkable Protocol looks members up statically (inspect.getattr_static)
+    @property
+    def plan(self) -> ZeroPlan:
+        return self.step.plan
+
+    def lower(self, state: TrainState, batch: Any) -> Any:
+        return self.step.lower(state, batch)
+
     def finish(self, state: TrainState) -> TrainState:
         return self.step.finish(state)
 

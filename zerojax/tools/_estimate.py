@@ -26,6 +26,7 @@ import numpy as np
 import optax
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
+from zerojax._compat import abstract_mesh
 from zerojax.config import ZeroConfig
 from zerojax._errors import ConfigError
 from zerojax._init_rule import abstract_params
@@ -374,9 +375,9 @@ def as_mesh(mesh_or_device_count, config: ZeroConfig):
     if isinstance(m, (Mesh, AbstractMesh)):
         return m
     if isinstance(m, Mapping):
-        return AbstractMesh(tuple(int(v) for v in m.values()), tuple(m.keys()))
+        return abstract_mesh(m.values(), m.keys())
     if isinstance(m, (int, np.integer)) and not isinstance(m, bool) and m >= 1:
-        return AbstractMesh((int(m),), (config.data_axis,))
+        return abstract_mesh((m,), (config.data_axis,))
     raise ConfigError(f"mesh_or_device_count={m!r} is not a mesh: pass a jax Mesh (zj.make_mesh()), a device "
                       f"count such as 512, or axis sizes such as {{'data': 64, 'model': 8}}")
 

@@ -89,6 +89,14 @@ def cuda_lowering_available():
         pytest.skip(f"this jaxlib cannot lower for CUDA: {e}")
 
 
+def skip_without_gpu_kernel_lowering():
+    """jax 0.12 lowers a Triton ``pallas_call`` only where it sees a GPU (or an abstract one, which a
+    step over this machine's mesh cannot carry): the fused kernel's lowering is checked elsewhere."""
+    from zerojax._compat import pallas_call_lowers_for_cuda
+    if not pallas_call_lowers_for_cuda(pallas_gpu_backend()):
+        pytest.skip(f"this JAX lowers a {pallas_gpu_backend()} pallas_call for CUDA only on a GPU")
+
+
 def adamw():
     return optax.inject_hyperparams(optax.adamw)(learning_rate=1e-3, weight_decay=0.1)
 
@@ -121,6 +129,7 @@ def test_optimizer_offload_keeps_host_memory_and_no_cpu_only_kernel():
 
 
 def test_fused_adam_step_holds_the_gpu_kernel():
+    skip_without_gpu_kernel_lowering()
     traced = traced_step(fused_adam=True, stage=2, precision="bf16")
     check_cuda(traced, gpu_kernel=True)
     text = traced.lower(lowering_platforms=("cuda",)).as_text()
@@ -237,9 +246,11 @@ def test_control_memory_kinds_and_collectives_are_compared():
 
 @pytest.mark.slow  # more programs of the same engines: combinations the quick tier covers one at a time
 def test_combinations_lower_for_cuda():
-    check_cuda(traced_step(fused_adam=True, stage=3, precision="fp16", param_persistence_threshold=0),
-               gpu_kernel=True)
-    check_cuda(traced_step(fused_adam=True, stage=1), gpu_kernel=True)
+    from zerojax._compat import pallas_call_lowers_for_cuda
+    if pallas_call_lowers_for_cuda(pallas_gpu_backend()):
+        check_cuda(traced_step(fused_adam=True, stage=3, precision="fp16", param_persistence_threshold=0),
+                   gpu_kernel=True)
+        check_cuda(traced_step(fused_adam=True, stage=1), gpu_kernel=True)
     check_cuda(traced_step(stage=3, offload_optimizer="cpu", offload_ratio=0.5, param_persistence_threshold=0),
                host_memory=True)
     check_cuda(traced_step(stage=3, precision="bf16", quantized_weights=True, quantized_gradients=True,

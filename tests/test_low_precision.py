@@ -123,7 +123,18 @@ def test_bf16_states_offloaded_to_the_host_match_the_reference(params):
     kinds = {(x.sharding.memory_kind, x.dtype) for x in jax.tree_util.tree_leaves(state.opt_state)}
     assert kinds == {("pinned_host", jnp.dtype(BF16)), ("pinned_host", jnp.dtype(jnp.int32))}
     ref = mixed_reference_run(params, tx, data, "bf16", stage=2, master_dtype=BF16, opt_dtype=BF16, offload=True)
-    assert max_rel_err(state.full_params(jnp.float32), wide(ref.params)) <= 1e-6
+    got = flat(state.full_params(jnp.float32))
+    # the host program and the reference's are compiled apart and may round an intermediate
+    # differently (jax 0.12's XLA: 2 of 1185 params one bf16 step apart after 4 steps; none on 0.10)
+    want = flat(wide(ref.params))
+    assert np.all(np.abs(got - want) <= 2.0 ** -7 * np.abs(want)) and np.mean(got != want) < 0.01  # one step: 2^-7 |x| at most
+    # the check can tell the storage apart: with fp32 moments 5% of the params differ
+    other = mixed_reference_run(params, tx, data, "bf16", stage=2, master_dtype=BF16, offload=True)
+    assert np.mean(got != flat(wide(other.params))) > 0.03
+
+
+def flat(tree):
+    return np.concatenate([np.asarray(x, np.float32).ravel() for x in jax.tree_util.tree_leaves(tree)])
 
 
 def test_stochastic_round_is_unbiased_where_round_to_nearest_is_not():

@@ -350,16 +350,46 @@ def probe_jit(fn):
     return jax.jit(fn, compiler_options=options) if options else jax.jit(fn)
 
 
-# Pallas's GPU backends: Triton (deprecated from JAX 0.11) and Mosaic GPU (JAX's default from then)
+# Pallas's GPU backends: Triton (deprecated in JAX 0.11, where Mosaic GPU is the default) and
+# Mosaic GPU (which from JAX 0.12 runs through its own kernel API: pallas_call on a GPU is Triton)
 _TRITON_DEPRECATED_FROM = (0, 11)
 
 
 def pallas_gpu_backend() -> str:
-    """The Pallas backend zerojax's kernels use on an NVIDIA GPU: ``"triton"`` on a JAX whose
-    Triton backend is not deprecated (before 0.11), otherwise JAX's default, ``"mosaic_gpu"``."""
-    if tuple(jax.__version_info__[:2]) < _TRITON_DEPRECATED_FROM and triton_params(4, 2) is not None:
-        return "triton"
-    return "mosaic_gpu"
+    """The Pallas backend zerojax's ``pallas_call`` kernels use on an NVIDIA GPU: ``"mosaic_gpu"``
+    where Triton is deprecated (from JAX 0.11) and this JAX's ``pallas_call`` lowers Mosaic GPU
+    kernels (not from JAX 0.12); otherwise ``"triton"``, where this JAX has it."""
+    if (tuple(jax.__version_info__[:2]) >= _TRITON_DEPRECATED_FROM or triton_params(4, 2) is None) \
+            and pallas_call_lowers_for_cuda("mosaic_gpu"):
+        return "mosaic_gpu"
+    return "triton" if triton_params(4, 2) is not None else "mosaic_gpu"
+
+
+@functools.lru_cache(maxsize=None)
+def pallas_call_lowers_for_cuda(backend: str) -> bool:
+    """Whether this JAX lowers a one-block ``pallas_call`` for CUDA with ``backend``'s compiler
+    params (``"triton"`` or ``"mosaic_gpu"``) in this process: jax 0.12's ``pallas_call`` has no
+    Mosaic GPU lowering, and lowers Triton only where it sees a GPU (or an abstract one in a mesh
+    context), so a CPU-only machine cannot lower it there."""
+    import warnings
+
+    from jax.experimental import pallas as pl
+
+    params = triton_params(4, 2) if backend == "triton" else mosaic_gpu_params()
+    if params is None:
+        return False
+
+    def kernel(x_ref, o_ref):
+        o_ref[...] = x_ref[...] + 1.0
+
+    fn = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((128,), np.float32), compiler_params=params)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            jax.jit(fn).trace(jax.ShapeDtypeStruct((128,), np.float32)).lower(lowering_platforms=("cuda",))
+    except Exception:  # noqa: BLE001 - no such lowering here
+        return False
+    return True
 
 
 def triton_params(num_warps: int, num_stages: int):

@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 import zerojax as zj
 from tests.helpers import run_benchmark
-from zerojax._autotp import autotp_leaves
+from zerojax._autotp import autotp_leaves, mesh_for
 from zerojax._errors import ConfigError, IgnoredKeysWarning
 
 transformers = pytest.importorskip("transformers")
@@ -298,6 +298,60 @@ def test_negative_controls_the_shard_and_orientation_checks_bite(monkeypatch):
     with pytest.raises(AssertionError):
         test_rules_on_hugging_face_llama_and_gpt2()
 
+
+
+def test_shard_train_state_builds_the_autotp_mesh_when_none_is_given():
+    """mesh=None with autotp_size 2 builds the ("data", "model") mesh zj.initialize builds and trains
+    exactly as the same state on zj.autotp_mesh(2); a given mesh that does not fit is refused, and
+    each fix the message gives works."""
+    rng = np.random.default_rng(0)
+    params = {"up_proj": {"kernel": rng.normal(size=(8, 16)).astype(np.float32), "bias": np.zeros(16, np.float32)},
+              "down_proj": {"kernel": rng.normal(size=(16, 8)).astype(np.float32)}}
+
+    def loss_fn(p, b):
+        h = jnp.tanh(b["x"] @ p["up_proj"]["kernel"] + p["up_proj"]["bias"])
+        return jnp.mean((h @ p["down_proj"]["kernel"] - b["y"]) ** 2)
+
+    data = [{k: rng.normal(size=(8, 8)).astype(np.float32) for k in ("x", "y")} for _ in range(2)]
+    config = zj.ZeroConfig(stage=2, autotp_size=2)
+
+    def train(mesh):
+        state = zj.shard_train_state(params, optax.adamw(LR), mesh=mesh, config=config)
+        step, losses = zj.make_train_step(loss_fn, state), []
+        for b in data:
+            state, metrics = step(state, b)
+            losses.append(float(metrics["loss"]))
+        return state, losses
+
+    built, losses = train(None)
+    mesh = built.plan.mesh
+    assert dict(mesh.shape) == {"data": 4, "model": 2}
+    init_mesh = mesh_for({"tensor_parallel": {"autotp_size": 2}})  # the mesh zj.initialize builds
+    assert mesh.axis_names == init_mesh.axis_names and mesh.devices.tolist() == init_mesh.devices.tolist()
+    assert int(built.step) == 2 and np.all(np.isfinite(losses))
+    assert_projection_shards(built, [lay for lay in autotp_leaves(params, 2) if lay.rule in ("column", "row")], 2)
+    given, given_losses = train(zj.autotp_mesh(2))
+    assert losses == given_losses
+    for x, y in zip(jax.tree_util.tree_leaves(built.full_params()), jax.tree_util.tree_leaves(given.full_params())):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert not np.allclose(np.asarray(built.full_params()["up_proj"]["kernel"]), params["up_proj"]["kernel"])
+
+    # a given mesh that does not fit: refused, with fixes that work (mesh=None and zj.autotp_mesh(2): above)
+    with pytest.raises(zj.ZeroJaxError, match=r"Fix: leave mesh unset \(mesh=None: .*zj\.shard_train_state.*\) or "
+                                              r"pass mesh=zj\.autotp_mesh\(2\), or set autotp_size=1 ") as e:
+        zj.shard_train_state(params, optax.adamw(LR), mesh=zj.make_mesh(), config=config)
+    assert isinstance(e.value, ConfigError)
+    assert dict(zj.shard_train_state(params, optax.adamw(LR), mesh=zj.make_mesh(),
+                                     config=config.replace(autotp_size=1)).plan.mesh.shape) == {"data": 8}
+    with pytest.raises(ConfigError, match=r"pass mesh=zj\.autotp_mesh\(2\), or set autotp_size=4 "):
+        zj.shard_train_state(params, optax.adamw(LR), mesh=zj.autotp_mesh(4), config=config)
+    assert dict(zj.shard_train_state(params, optax.adamw(LR), mesh=zj.autotp_mesh(4),
+                                     config=config.replace(autotp_size=4)).plan.mesh.shape) == {"data": 2, "model": 4}
+    # sequence_parallel_size: mesh=None builds ("data", "seq"), as zj.initialize does; a given mesh is checked
+    seq = zj.ZeroConfig(stage=2, sequence_parallel_size=2)
+    assert dict(zj.shard_train_state(params, optax.adamw(LR), config=seq).plan.mesh.shape) == {"data": 4, "seq": 2}
+    with pytest.raises(ConfigError, match=r"Fix: leave mesh unset \(mesh=None: .*\), or set sequence_parallel_size=1"):
+        zj.shard_train_state(params, optax.adamw(LR), mesh=zj.make_mesh(), config=seq)
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name,kind,size", [("llamafactory_z2_autotp.json", "llama", 2),

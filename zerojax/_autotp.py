@@ -105,18 +105,28 @@ def autotp_mesh(autotp_size: int, devices=None, data_axis: str = "data") -> Mesh
     return make_mesh((len(devices) // autotp_size, autotp_size), (data_axis, MODEL), devices)
 
 
+_BUILDERS = "zj.initialize, zj.shard_train_state, zj.abstract_train_state and zj.zero_optimizer build it"
+
+
 def check_autotp_mesh(mesh: Mesh, autotp_size: int, data_axis: str = "data") -> None:
     """ConfigError unless ``mesh`` has a ``"model"`` axis of ``autotp_size`` devices beside the data axis."""
     if autotp_size <= 1:
         return
-    size = dict(zip(mesh.axis_names, mesh.devices.shape)).get(MODEL)
-    if size != autotp_size or data_axis not in mesh.axis_names:
+    shape = dict(mesh.shape)
+    size = shape.get(MODEL)
+    if size != autotp_size or data_axis not in shape:
         got = f"a {MODEL!r} axis of {size}" if size is not None else f"no {MODEL!r} axis"
+        built = f"zj.autotp_mesh({autotp_size}" + (")" if data_axis == "data" else f", data_axis={data_axis!r})")
+        if data_axis not in shape:
+            other = ""
+        elif size is None:
+            other = ", or set autotp_size=1 (AutoTP off) to train on this mesh"
+        else:
+            other = f", or set autotp_size={size} (this mesh's {MODEL!r} size)"
         raise ConfigError(
             f"autotp_size={autotp_size} (tensor_parallel.autotp_size) needs a mesh with a {data_axis!r} axis and a "
-            f"{MODEL!r} axis of {autotp_size} devices, but the mesh has axes {dict(mesh.shape)} ({got}). Fix: pass "
-            f"mesh=None (zerojax builds it) or mesh=zj.autotp_mesh({autotp_size}), or set autotp_size to the mesh's "
-            f"{MODEL!r} size")
+            f"{MODEL!r} axis of {autotp_size} devices, but the mesh has axes {shape} ({got}). Fix: leave mesh unset "
+            f"(mesh=None: {_BUILDERS}) or pass mesh={built}{other}")
 
 
 def _raw(config) -> dict:
@@ -151,16 +161,19 @@ def sequence_parallel_size_of(config) -> int:
 
 
 def _check_seq_mesh(mesh: Mesh, sp: int) -> None:
-    size = mesh.shape.get(SEQ, 1)
+    size = dict(mesh.shape).get(SEQ, 1)
     if sp > 1 and size != sp:
+        other = (f"sequence_parallel_size={size} (this mesh's {SEQ!r} size)" if size > 1
+                 else "sequence_parallel_size=1 (off)")
         raise ConfigError(
             f"sequence_parallel_size={sp} needs a mesh with a {SEQ!r} axis of {sp} devices, but the mesh has axes "
-            f"{dict(mesh.shape)}. Fix: pass mesh=None (zerojax builds it), or set sequence_parallel_size to the "
-            f"mesh's {SEQ!r} size")
+            f"{dict(mesh.shape)}. Fix: leave mesh unset (mesh=None: {_BUILDERS}), or set {other} to train on "
+            f"this mesh")
 
 
 def mesh_for(config, mesh=None) -> Mesh:
-    """The mesh ``zj.initialize`` trains on: ``mesh`` checked against the config's autotp_size and
+    """The mesh ``zj.initialize``, ``zj.shard_train_state``, ``zj.abstract_train_state`` and
+    ``zj.zero_optimizer`` train on: ``mesh`` checked against the config's autotp_size and
     sequence_parallel_size, or, when None, built from them: every device on ``"data"`` (both 1),
     ``("data", "seq")`` for sequence parallelism, ``("data", "model")`` for AutoTP, or
     ``("data", "seq", "model")`` for both (one tensor-parallel group on consecutive devices)."""

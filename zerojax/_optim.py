@@ -46,11 +46,11 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 import zerojax._placement as placement
+from zerojax._autotp import mesh_for
 from zerojax._compat import compute_on_host, same_memory_space, to_device_memory
 from zerojax.config import ZeroConfig
 from zerojax._errors import ConfigError, IgnoredKeysWarning, OptimizerError, StateError
 from zerojax.kernels import _native as native
-from zerojax._mesh import make_mesh
 from zerojax.offload._host_update import native_adam_pass, on_cpu_mesh
 from zerojax._plan import DEVICE, ZeroPlan
 from zerojax.stages import _collectives as C
@@ -133,8 +133,8 @@ def _check_offload(config: ZeroConfig) -> None:
 
 def zero_optimizer(tx: optax.GradientTransformation, *, mesh=None,
                    config: Optional[ZeroConfig] = None) -> optax.GradientTransformation:
-    mesh = make_mesh() if mesh is None else mesh
     config = ZeroConfig(stage=1) if config is None else config
+    mesh = mesh_for(config, mesh)  # as zj.initialize: built from autotp_size / sequence_parallel_size when None
     _check_offload(config)
     offload = config.offload_optimizer == "cpu"
     if offload:

@@ -11,11 +11,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import zerojax._placement as placement
+from zerojax._autotp import mesh_for
 from zerojax._errors import StateError
 from zerojax.config import ZeroConfig
 from zerojax._init_rule import abstract_params, split_params_or_init
 from zerojax._low_precision import opt_for_storage
-from zerojax._mesh import make_mesh
 from zerojax.offload._partial import check_split
 from zerojax._plan import ZeroPlan
 from zerojax.update._recognize import partition_groups
@@ -115,12 +115,15 @@ def shard_train_state(
     with an init function the model is created directly in its sharded layout, so the whole
     model never has to exist on one device. ``param_specs`` (a tree of PartitionSpec) or the
     arrays' own NamedShardings give model-parallel annotations; the data axis is added on top.
+    ``mesh=None`` builds the mesh ``zj.initialize`` would (:func:`zerojax._autotp.mesh_for`): every
+    device on "data", or ``("data", "model")`` with ``config.autotp_size`` > 1, ``("data", "seq")``
+    with ``config.sequence_parallel_size`` > 1; a given mesh must have those axes.
 
         state = zj.shard_train_state(params, optax.adamw(1e-3), mesh=zj.make_mesh(),
                                      config=zj.ZeroConfig(stage=2, precision="bf16"))
     """
-    mesh = make_mesh() if mesh is None else mesh
     config = ZeroConfig() if config is None else config
+    mesh = mesh_for(config, mesh)  # as zj.initialize: built from autotp_size / sequence_parallel_size when None
     rng = jax.random.PRNGKey(0) if rng is None else rng
     init_key, state_key = jax.random.split(rng)
     init_fn, _ = split_params_or_init(params_or_init)
@@ -157,8 +160,8 @@ def abstract_train_state(params_or_init, tx: optax.GradientTransformation, *, me
     Nothing is allocated: use it to lower and compile a step (``step.lower(abstract, batch)``),
     for ``zj.comm_report``/``zj.peak_memory`` on models that do not fit this machine.
     """
-    mesh = make_mesh() if mesh is None else mesh
     config = ZeroConfig() if config is None else config
+    mesh = mesh_for(config, mesh)  # as zj.initialize: built from autotp_size / sequence_parallel_size when None
     abstract = abstract_params(params_or_init)
     plan = ZeroPlan.create(abstract, mesh, config, param_specs=param_specs).with_groups(partition_groups(tx, abstract))
     check_split(plan, tx)

@@ -58,7 +58,8 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import zerojax as zj  # noqa: E402
-from zerojax.stages._muon import _newton_schulz, _nodes, _owners, balance, ns_flops  # noqa: E402
+from zerojax.stages._muon import _nodes  # noqa: E402
+from zerojax.stages._muon_owners import _newton_schulz, _owners, balance, ns_flops  # noqa: E402
 from zerojax.tools._compiled import collectives  # noqa: E402
 from vs_plain_jax import fsdp_spec  # noqa: E402
 

@@ -29,6 +29,7 @@ import optax  # noqa: E402
 import zerojax as zj  # noqa: E402
 from zerojax.models.gpt import GPTConfig, init_params, loss_fn  # noqa: E402
 from zerojax.runtime import _watchdog as wd  # noqa: E402
+from zerojax.runtime._watched_step import WatchedStep  # noqa: E402
 
 
 class _Instant:
@@ -44,7 +45,7 @@ class _Instant:
 
 
 def caller_us(calls: int) -> float:
-    watched = wd.WatchedStep(_Instant(), wd.DEFAULT_STEP_TIMEOUT, 2 * wd.DEFAULT_STEP_TIMEOUT)
+    watched = WatchedStep(_Instant(), wd.DEFAULT_STEP_TIMEOUT, 2 * wd.DEFAULT_STEP_TIMEOUT)
     state = None
     t0 = time.perf_counter()
     for _ in range(calls):
@@ -76,7 +77,7 @@ def main():
         state = zj.shard_train_state(params, optax.adamw(1e-4), mesh=mesh,
                                      config=zj.ZeroConfig(stage=2, precision="bf16", step_timeout=timeout))
         step = zj.make_train_step(loss_fn(cfg), state)
-        assert isinstance(step, wd.WatchedStep) == (name == "on")
+        assert isinstance(step, WatchedStep) == (name == "on")
         for _ in range(3):
             state, m = step(state, batch)
         jax.block_until_ready(m)

@@ -8,7 +8,7 @@ import optax
 import pytest
 
 import zerojax as zj
-from zerojax.runtime._watchdog import WatchedStep
+from zerojax.runtime._watched_step import WatchedStep
 from tests.helpers import run_benchmark
 from zerojax.models.gpt import GPTConfig
 from zerojax.models.gpt_pipeline import gpt_pipeline, init_pipeline_params

@@ -9,7 +9,7 @@ import pytest
 
 import zerojax as zj
 from zerojax._contract import StepWrapper
-from zerojax.runtime._watchdog import WatchedStep
+from zerojax.runtime._watched_step import WatchedStep
 from tests.helpers import batches, init_params, loss_fn, max_rel_err
 
 pytestmark = pytest.mark.filterwarnings("ignore::zerojax.IgnoredKeysWarning")

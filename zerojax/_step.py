@@ -28,7 +28,7 @@ from zerojax.monitor import Monitors, monitored
 from zerojax.offload._nvme_step import HostLoopStep
 from zerojax.offload._zenflow import ZenFlowStep
 from zerojax.pipeline import PipelineModel, make_pipeline_step
-from zerojax.runtime._watchdog import watched
+from zerojax.runtime._watched_step import watched
 from zerojax.stages._device_step import TrainStep, build_device_step
 from zerojax.stages._update import takes_value
 from zerojax._state import TrainState

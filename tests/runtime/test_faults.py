@@ -17,7 +17,8 @@ import optax
 import pytest
 
 import zerojax as zj
-from zerojax.runtime import _watchdog as wd
+from zerojax.runtime import _ledger, _watchdog as wd
+from zerojax.runtime._watched_step import WatchedStep
 from tests import _fault_worker as worker
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -60,11 +61,11 @@ def assert_equal_to(reference, path):
 # ------------------------------------------------------------------------------------ the ledger
 def test_ledger_file_is_read_back_while_the_process_lives(tmp_path):
     path = str(tmp_path / "process3.ledger")
-    ledger = wd.Ledger(path, process=3)
+    ledger = _ledger.Ledger(path, process=3)
     for n in range(1, 300):  # more than the ring holds: the oldest go
         ledger.record("step called", n)
         ledger.record("dispatched", n, "x" * 40)
-    header, events = wd.read_ledger(path)
+    header, events = _ledger.read_ledger(path)
     assert header["process"] == 3 and header["pid"] == os.getpid()
     assert len(events) == 256 and events[-1].event == "dispatched" and events[-1].step == 299
     assert events[-1].detail == "x" * 31  # details are cut to the slot
@@ -73,14 +74,14 @@ def test_ledger_file_is_read_back_while_the_process_lives(tmp_path):
 
 
 def _events(*pairs):
-    return [wd.Event(i + 1, 1000.0 + i, step, name) for i, (step, name) in enumerate(pairs)]
+    return [_ledger.Event(i + 1, 1000.0 + i, step, name) for i, (step, name) in enumerate(pairs)]
 
 
 def test_the_process_that_never_entered_the_step_is_named():
     ledgers = {0: _events((4, "result ready"), (5, "batch check")),
                1: _events((4, "dispatched"), (4, "result ready")),
                2: _events((5, "batch check"), (5, "batch placed"), (5, "step called"), (5, "dispatched"))}
-    late, lines, verdicts = wd.behind(ledgers, now=1010.0)
+    late, lines, verdicts = _ledger.behind(ledgers, now=1010.0)
     assert late == [0, 1]
     assert verdicts[1] == "process 1 is behind: it never entered step 5"
     assert "process 0 is behind: it is still placing step 5's batch" in verdicts[0]
@@ -89,7 +90,7 @@ def test_the_process_that_never_entered_the_step_is_named():
 
 def test_no_process_is_named_when_all_are_inside_the_same_step():
     ledgers = {p: _events((5, "step called"), (5, "dispatched")) for p in range(2)}
-    assert wd.behind(ledgers)[0] == []
+    assert _ledger.behind(ledgers)[0] == []
 
 
 # ------------------------------------------------------------------------------------ deadlines
@@ -145,10 +146,10 @@ def test_deadline_tightens_after_measured_steps_with_a_floor():
 def test_step_timeout_zero_turns_the_watchdog_off():
     state = zj.shard_train_state(worker.init, optax.sgd(0.1), mesh=zj.make_mesh(8),
                                  config=zj.ZeroConfig(step_timeout=0), rng=jax.random.PRNGKey(0))
-    assert not isinstance(zj.make_train_step(worker.loss_fn, state), wd.WatchedStep)
+    assert not isinstance(zj.make_train_step(worker.loss_fn, state), WatchedStep)
     on = zj.shard_train_state(worker.init, optax.sgd(0.1), mesh=zj.make_mesh(8), rng=jax.random.PRNGKey(0))
     step = zj.make_train_step(worker.loss_fn, on)
-    assert isinstance(step, wd.WatchedStep) and step.plan is on.plan  # the wrapped step's attributes
+    assert isinstance(step, WatchedStep) and step.plan is on.plan  # the wrapped step's attributes
 
 
 # ------------------------------------------------------------------------------ one process

@@ -19,8 +19,9 @@ import zerojax as zj
 from zerojax._plan import path_str
 from zerojax._state import unshard_params
 from zerojax.config._optimizers import muon_dimension_numbers, optimizer_from_config
-from zerojax.stages import _muon
-from zerojax.stages._muon import _newton_schulz, _nodes, _owners, balance, muon_recipe, ns_flops
+from zerojax.stages import _muon_owners
+from zerojax.stages._muon import _nodes, muon_recipe
+from zerojax.stages._muon_owners import _newton_schulz, _owners, balance, ns_flops
 from zerojax.tools._compiled import collectives
 from tests.helpers import batches, init_params, loss_fn, max_rel_err, reference_run
 
@@ -445,7 +446,7 @@ def test_balanced_owners_train_like_optax(branches, monkeypatch):
     """The balanced assignment (3 matrices of one shape, 5 of another, each owner its own
     branch) trains equal to one-device optax over 10 steps; so does the program past its
     branch limit, where every owner iterates on every slot (the empty ones stay zero)."""
-    monkeypatch.setattr(_muon, "_MAX_BRANCHES", branches)
+    monkeypatch.setattr(_muon_owners, "_MAX_BRANCHES", branches)
     rng = np.random.default_rng(0)
     params = {"a": (rng.standard_normal((3, 16, 24)) * 0.3).astype(np.float32),
               "b": (rng.standard_normal((5, 24, 16)) * 0.3).astype(np.float32)}

@@ -29,7 +29,7 @@ from zerojax.checkpoint._pieces import CHUNK_BYTES
 from zerojax.checkpoint._steps import _scan, partial_dirs, pick_step, read_data, read_meta, read_state
 from zerojax._errors import CheckpointError, ConfigError, ZeroJaxError, ZeroJaxWarning
 from zerojax._state import TrainState, check_params_held
-from zerojax.runtime import _watchdog
+from zerojax.runtime import _watchdog, _watched_step
 
 __all__ = ["LATEST_INTACT", "CheckpointManager", "intact_steps", "restore"]
 
@@ -198,7 +198,7 @@ class CheckpointManager:
                               "returning the data_state dict to save with a preemption checkpoint")
         self._preemption_data_state = preemption_data_state
         self.closed = False
-        _watchdog.register_manager(self)  # a preemption signal saves through the manager opened last
+        _watched_step.register_manager(self)  # a preemption signal saves through the manager opened last
 
     def _orbax_manager(self) -> ocp.CheckpointManager:
         handlers = {STATE: ocp.PyTreeCheckpointHandler(use_compression=self.compress),
@@ -372,7 +372,7 @@ class CheckpointManager:
             self.wait_until_finished()
         finally:
             self.closed = True
-            _watchdog.unregister_manager(self)
+            _watched_step.unregister_manager(self)
             self._mngr.close()
 
     def __enter__(self):

@@ -6,7 +6,7 @@ keeps the fp32 master and two per-element slots, ``m`` and ``v``, in files. For 
 
 1. reads the committed ``m`` (the Muon leaves' momentum lives there), mixes it with the
    gradients as optax's Nesterov momentum does, and sends each device the block of the
-   balanced stacks (:func:`zerojax.stages._muon.balance`) whose matrices it orthogonalises
+   balanced stacks (:func:`zerojax.stages._muon_owners.balance`) whose matrices it orthogonalises
    whole; the results come back to host memory and are width-scaled there;
 2. streams the store once, sub-group by sub-group, with :class:`MuonHost` as its optimizer: the
    Muon elements take the momentum update and ``master -= lr * (direction + wd * master)``; the
@@ -28,8 +28,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zerojax.offload._host_rule import _to_bf16_bits, _widen
-from zerojax.stages._muon import (MuonRecipe, _advance_scalars, _newton_schulz, _nodes, _owners, _proxy_tree, _stack,
-                                  _unstack, balance)
+from zerojax.stages._muon import MuonRecipe, _advance_scalars, _nodes, _proxy_tree
+from zerojax.stages._muon_owners import _newton_schulz, _owners, _stack, _unstack, balance
 
 __all__ = ["MuonHost"]
 

@@ -45,8 +45,8 @@ from typing import IO
 from zerojax._compat import backends_are_initialized
 from zerojax._errors import ConfigError, DistributedError, LaunchError
 from zerojax.runtime._distributed import COORDINATOR, INIT_TIMEOUT, LOCAL_DEVICES, LOCAL_RANK, NUM_PROCESSES, PROCESS_ID, split_address
-from zerojax.runtime._watchdog import (PREEMPTED_EXIT, STUCK_EXIT, WATCHDOG_DIR, behind, env_signal, ledger_path,
-                                       read_ledger)
+from zerojax.runtime._ledger import behind, ledger_path, read_ledger
+from zerojax.runtime._watchdog import PREEMPTED_EXIT, STUCK_EXIT, WATCHDOG_DIR, env_signal
 
 LOCAL_WORLD_SIZE = "ZEROJAX_LOCAL_WORLD_SIZE"
 RESTART = "ZEROJAX_RESTART"  # 0 on the first start of the job, K on its K-th restart (--max-restarts)

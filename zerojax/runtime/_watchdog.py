@@ -1,9 +1,10 @@
 """The step watchdog, the ledger and preemption: a stuck process is named and ended, a preempted one saves.
 
 Every step ``zj.make_train_step`` builds (on device, host offload, NVMe, ZenFlow, pipeline) is a
-:class:`WatchedStep`. It writes each step's events to this process's :class:`Ledger` (step
-called, dispatched, result ready; compiles, checkpoint saves, preemption) and a thread of the
-process's :class:`Watchdog` checks them against a deadline::
+:class:`~zerojax.runtime._watched_step.WatchedStep`. It writes each step's events to this
+process's :class:`~zerojax.runtime._ledger.Ledger` (step called, dispatched, result ready;
+compiles, checkpoint saves, preemption) and a thread of the process's :class:`Watchdog` checks
+them against a deadline::
 
     step called ... dispatched ... result ready         (a second thread polls for the result:
                                                          the caller's thread is never synchronised)
@@ -30,31 +31,30 @@ it is committed and exit with :data:`PREEMPTED_EXIT` (75, EX_TEMPFAIL: try again
 Under ``zerojax launch`` (``ZEROJAX_WATCHDOG_DIR`` set) the ledger is a memory-mapped file the
 launcher reads even when the process is blocked or dead, SIGUSR2 dumps every thread's stack into
 the process's stacks file, and the launcher names the process that is behind.
+
+This module holds the watchdog, its deadlines and the preemption signals; the ledger and the
+launcher's reading of it are :mod:`zerojax.runtime._ledger`, the step wrapper and the
+checkpoint managers it saves through :mod:`zerojax.runtime._watched_step`.
 """
 from __future__ import annotations
 
 import atexit
 import collections
-import dataclasses
 import faulthandler
-import mmap
 import os
 import signal
 import statistics
-import struct
 import sys
 import tempfile
 import threading
 import time
-import weakref
 from typing import Any, Optional
 
 from zerojax._compat import distributed_is_initialized
-from zerojax._contract import StepWrapper
+from zerojax.runtime._ledger import Ledger, ledger_path, stacks_path, stuck_path
 
-__all__ = ["DEFAULT_STEP_TIMEOUT", "Event", "FACTOR", "FLOOR", "Ledger", "PREEMPTED_EXIT", "STUCK_EXIT",
-           "WARM_STEPS", "WATCHDOG_DIR", "Watchdog", "WatchedStep", "behind", "ledger_path", "read_ledger",
-           "record", "resolve_timeouts", "watchdog", "watched"]
+__all__ = ["DEFAULT_STEP_TIMEOUT", "FACTOR", "FLOOR", "PREEMPTED_EXIT", "STUCK_EXIT", "WARM_STEPS", "WATCHDOG_DIR",
+           "Watchdog", "record", "resolve_timeouts", "watchdog"]
 
 STUCK_EXIT = 124  # the watchdog ended a process whose step (or save) passed its deadline
 PREEMPTED_EXIT = 75  # a preemption signal came; a checkpoint was committed (sysexits' EX_TEMPFAIL)
@@ -65,153 +65,6 @@ FACTOR = 20.0  # a measured step's deadline: FACTOR x the median step time ...
 FLOOR = 120.0  # ... but never below FLOOR seconds (nor above step_timeout)
 WARM_STEPS = 3  # steps measured before the deadline tightens
 EXIT_GRACE = 60.0  # seconds a preempted process has to unwind after its checkpoint is committed
-
-# ----------------------------------------------------------------------------------------- ledger
-EVENTS = ("step called", "batch check", "batch placed", "dispatched", "host update", "result ready", "compile begun",
-          "compiled", "save begun", "save committed", "preemption notice", "preemption save", "closed",
-          "stuck")
-_CODE = {name: i + 1 for i, name in enumerate(EVENTS)}
-_MAGIC = b"ZJLEDGR1"
-_HEADER = struct.Struct("<8sqqd")  # magic, process index, pid, the step deadline in force (s)
-_RECORD = struct.Struct("<QdqB31s")  # sequence number, wall time, step, event, detail
-_SLOT, _SLOTS, _HEAD = 64, 256, 64
-_SIZE = _HEAD + _SLOT * _SLOTS
-
-
-@dataclasses.dataclass(frozen=True)
-class Event:
-    seq: int
-    time: float  # wall clock (time.time())
-    step: int  # the step the event belongs to: the state's step after it (1-based); 0: before any
-    event: str
-    detail: str = ""
-
-    def line(self, now: Optional[float] = None) -> str:
-        ago = f"  ({now - self.time:7.1f} s ago)" if now is not None else ""
-        at = time.strftime("%H:%M:%S", time.localtime(self.time)) + f".{int(self.time * 1000) % 1000:03d}"
-        detail = f"  {self.detail}" if self.detail else ""
-        return f"{at}{ago}  step {self.step:>6}  {self.event}{detail}"
-
-
-class Ledger:
-    """The last :data:`_SLOTS` events of this process in a fixed-size ring: in memory, or in a
-    memory-mapped file (``path``) that another process can read while this one is blocked or
-    after it died. Recording one event packs 64 bytes into the ring: no system call, no device
-    synchronisation."""
-
-    def __init__(self, path: Optional[str] = None, process: int = 0):
-        self.path = path
-        self._lock = threading.Lock()
-        self._seq = 0
-        if path:
-            with open(path, "w+b") as f:
-                f.truncate(_SIZE)
-                self.buf = mmap.mmap(f.fileno(), _SIZE)
-        else:
-            self.buf = bytearray(_SIZE)
-        self.process = process
-        self.set_deadline(0.0)
-
-    def set_deadline(self, seconds: float) -> None:
-        self.buf[:_HEADER.size] = _HEADER.pack(_MAGIC, self.process, os.getpid(), float(seconds))
-
-    def record(self, event: str, step: int = 0, detail: str = "") -> None:
-        code = _CODE[event]
-        raw = detail.encode("utf-8", "replace")[:31]
-        with self._lock:
-            self._seq += 1
-            off = _HEAD + (self._seq % _SLOTS) * _SLOT
-            self.buf[off:off + _RECORD.size] = _RECORD.pack(self._seq, time.time(), int(step), code, raw)
-
-    def events(self) -> list[Event]:
-        return _parse(bytes(self.buf))
-
-
-def _parse(raw: bytes) -> list[Event]:
-    out = []
-    for i in range(_SLOTS):
-        off = _HEAD + i * _SLOT
-        seq, when, step, code, detail = _RECORD.unpack_from(raw, off)
-        if seq and 0 < code <= len(EVENTS):
-            out.append(Event(seq, when, step, EVENTS[code - 1], detail.rstrip(b"\0").decode("utf-8", "replace")))
-    return sorted(out, key=lambda e: e.seq)
-
-
-def read_ledger(path: str) -> tuple[dict, list[Event]]:
-    """A ledger file's header (``process``, ``pid``, ``deadline``) and its events, oldest first."""
-    with open(path, "rb") as f:
-        raw = f.read()
-    if len(raw) < _SIZE or raw[:8] != _MAGIC:
-        raise ValueError(f"{path} is not a zerojax ledger")
-    _, process, pid, deadline = _HEADER.unpack_from(raw, 0)
-    return {"process": process, "pid": pid, "deadline": deadline}, _parse(raw)
-
-
-def ledger_path(directory: str, process: int) -> str:
-    return os.path.join(directory, f"process{process}.ledger")
-
-
-def stuck_path(directory: str, process: int) -> str:
-    return os.path.join(directory, f"process{process}.stuck.txt")
-
-
-def stacks_path(directory: str, process: int) -> str:
-    return os.path.join(directory, f"process{process}.stacks.txt")
-
-
-# ------------------------------------------------------------------------------- the launcher's view
-_ORDER = {"batch check": 0, "batch placed": 1, "step called": 2, "dispatched": 3, "host update": 3,
-          "result ready": 4}  # how far into step N a process got
-
-
-def _position(events: list[Event]) -> tuple[int, int, Optional[Event]]:
-    """(step, phase, the event): how far a process got."""
-    last = None
-    for e in events:
-        if e.event in _ORDER:
-            last = e
-    if last is None:
-        return (0, _ORDER["result ready"], None)
-    return (last.step, _ORDER[last.event], last)
-
-
-def _where(last: Optional[Event]) -> str:
-    if last is None:
-        return "never entered a step"
-    return {"batch check": f"placing step {last.step}'s batch (checking every process's rows together)",
-            "batch placed": f"about to call step {last.step} (its batch placed)",
-            "step called": f"inside step {last.step} (called, not yet dispatched)",
-            "dispatched": f"waiting for step {last.step}'s result (dispatched)",
-            "host update": f"waiting for step {last.step}'s result (host update done)",
-            "result ready": f"between steps: step {last.step} finished, step {last.step + 1} not begun"}[last.event]
-
-
-def behind(ledgers: dict[int, list[Event]], now: Optional[float] = None) -> tuple[list[int], list[str], list[str]]:
-    """Which processes are behind, from every process's ledger: (their indices, one line per
-    process saying where it is, one verdict line per process behind).
-
-    A process is behind when it got less far than the furthest one: a smaller step, or the same
-    step in an earlier phase (called < dispatched < result ready). When every process got as far,
-    none is named (the stall is inside the step on all of them: their stacks tell where)."""
-    now = time.time() if now is None else now
-    pos = {p: _position(ev) for p, ev in ledgers.items()}
-    if not pos:
-        return [], [], []
-    top = max((s, r) for s, r, _ in pos.values())
-    late = sorted(p for p, (s, r, _) in pos.items() if (s, r) < top)
-    lines, verdicts = [], []
-    for p in sorted(pos):
-        s, r, last = pos[p]
-        since = f" (its last step event {now - last.time:.1f} s ago)" if last else ""
-        lines.append(f"process {p}: {_where(last)}{since}")
-        if p in late:
-            if r == _ORDER["result ready"]:
-                verdicts.append(f"process {p} is behind: it never entered step {s + 1}"
-                                + ("" if s + 1 == top[0] else f" (the others are at step {top[0]})"))
-            else:
-                verdicts.append(f"process {p} is behind: it is still {_where(last)}, while the others are "
-                                + (f"further in step {s}" if s == top[0] else f"at step {top[0]}"))
-    return late, lines, verdicts
 
 
 # ------------------------------------------------------------------------------------ timeouts
@@ -621,90 +474,3 @@ class armed:
     def __exit__(self, *exc):
         if self.dog is not None:
             self.dog.disarm(self.what)
-
-
-# ------------------------------------------------------------------------------------ the step
-_MANAGERS: list = []  # weak references to the open CheckpointManagers, oldest first
-
-
-def register_manager(mngr) -> None:
-    _MANAGERS.append(weakref.ref(mngr))
-
-
-def unregister_manager(mngr) -> None:
-    _MANAGERS[:] = [r for r in _MANAGERS if r() is not None and r() is not mngr]
-
-
-def open_manager():
-    """The CheckpointManager opened last and not closed, or None."""
-    for ref in reversed(_MANAGERS):
-        m = ref()
-        if m is not None and not getattr(m, "closed", False):
-            return m
-    return None
-
-
-class WatchedStep(StepWrapper):
-    """Any step, with its events in the ledger, its deadline watched and preemption honoured.
-
-    Every other attribute is the wrapped step's (``.plan``, ``.jitted``, ZenFlow's
-    ``.end_epoch()``, NVMe's ``.master()``)."""
-
-    def __init__(self, step, timeout: float, first_timeout: float, preemption_signal: Optional[str] = None):
-        self.step = step
-        self.dog = watchdog()
-        self.dog.configure(timeout, first_timeout)
-        self.dog.install_signals(preemption_signal or env_signal())
-
-    def __call__(self, state, batch):
-        dog = self.dog
-        n = dog.called(state)
-        try:
-            new_state, metrics = self.step(state, batch)
-        except BaseException:
-            dog.failed(n)
-            raise
-        dog.dispatched(n, metrics.get("loss") if isinstance(metrics, dict) else metrics)
-        if dog.preempted(n):
-            self._save_and_exit(n, new_state)
-        return new_state, metrics
-
-    def _save_and_exit(self, n: int, state) -> None:
-        dog = self.dog
-        name = signal.Signals(dog.notice).name if dog.notice else "SIGTERM"
-        dog.notice = None  # handled: a script that catches the SystemExit and trains on is not stopped again
-        mngr = open_manager()
-        lead = dog.process == 0
-        if mngr is None:
-            if lead:
-                print(f"zerojax: {name} received (preemption): no zj.CheckpointManager is open in this process, so "
-                      f"nothing was saved after step {n}; exiting with code {PREEMPTED_EXIT}. Open a "
-                      "CheckpointManager before the training loop to have the step saved", file=sys.stderr,
-                      flush=True)
-            raise SystemExit(PREEMPTED_EXIT)
-        at = int(state.step)
-        dog.record("preemption save", n, f"step {at} {name}")
-        if at not in mngr.all_steps() and mngr.writing != at:
-            mngr.save(at, state, data_state=mngr.preemption_data_state(at))
-        mngr.wait_until_finished()
-        if lead:
-            print(f"zerojax: {name} received (preemption): saved step {at} to {mngr.directory} (committed); "
-                  f"exiting with code {PREEMPTED_EXIT}. Run the same command again to resume from it",
-                  file=sys.stderr, flush=True)
-        # once the interpreter is exiting (not while a script that caught the SystemExit goes on), its
-        # shutdown (jax.distributed's among it) gets EXIT_GRACE seconds before the process ends with 75
-        atexit.register(dog.arm, "exit", n, dog.exit_grace)
-        raise SystemExit(PREEMPTED_EXIT)
-
-    def close(self) -> None:
-        self.dog.record("closed", self.dog.calls)
-        self.step.close()
-
-
-def watched(step, config):
-    """``step`` watched under ``config``'s deadlines (``step_timeout=0``: returned as it is)."""
-    timeout, first = resolve_timeouts(getattr(config, "step_timeout", None),
-                                      getattr(config, "first_step_timeout", None))
-    if timeout <= 0:
-        return step
-    return WatchedStep(step, timeout, first, getattr(config, "preemption_signal", None))

@@ -14,8 +14,9 @@ collectives moving 8.9x the params' bytes, against AdamW's 3 and 2.0x). Here:
   updates return to the partitioned layout (one all-to-all back);
 * a shape with fewer matrices than slots leaves some slots empty (zero matrices, not
   iterated): which owners get a shape's matrices is chosen over all shapes by cost
-  (:func:`balance`), so that a shape with 3 matrices on 8 devices lands on owners other shapes
-  leave light; each device runs its own branch (``lax.switch`` on its index);
+  (:func:`~zerojax.stages._muon_owners.balance`), so that a shape with 3 matrices on 8 devices
+  lands on owners other shapes leave light; each device runs its own branch (``lax.switch`` on
+  its index);
 * the width scaling, weight decay and learning rate, and the whole AdamW group, run element-wise
   on the partitions; the updated params are gathered as for any optimizer (stages 1–2).
 
@@ -33,12 +34,14 @@ device. The optimizer is recognised from its state (``optax.contrib.muon`` under
 ``optax.inject_hyperparams``: the settings are read from the state each step; DeepSpeed's
 ``"type": "Muon"`` builds one) and the update checked against ``tx.update`` on probe values
 before it is used; anything else, or one that does not agree, keeps running through optax.
+
+Which owner orthogonalises which matrices, and the program that takes them there and back, are
+:mod:`zerojax.stages._muon_owners`.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Optional
 
 import jax
@@ -49,9 +52,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import zerojax._placement as placement
-from zerojax._compat import compute_on_host, same_memory_space, shard_map
+from zerojax._compat import compute_on_host, same_memory_space
 from zerojax._low_precision import round_master
 from zerojax._plan import DEVICE
+from zerojax.stages._muon_owners import _owners, orthogonalise
 from zerojax.update._recognize import partition_groups
 
 try:  # optax's own iteration, so the numbers are optax's
@@ -59,12 +63,11 @@ try:  # optax's own iteration, so the numbers are optax's
 except ImportError:  # pragma: no cover - an optax without it: Muon runs through optax's update
     MuonState = orthogonalize_via_newton_schulz = None
 
-__all__ = ["MuonRecipe", "balance", "muon_offloaded_update", "muon_recipe", "muon_update", "muon_updates", "ns_flops"]
+__all__ = ["MuonRecipe", "muon_offloaded_update", "muon_recipe", "muon_update", "muon_updates"]
 
 # optax.contrib.muon's defaults, for the settings an injected one does not hold
 _DEFAULTS = {"beta": 0.95, "eps": 1e-8, "weight_decay": 0.0, "adam_b1": 0.9, "adam_b2": 0.999, "adam_eps_root": 0.0,
              "adam_weight_decay": 0.0, "adam_learning_rate": None}
-_NS_STEPS = 5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,137 +148,6 @@ def _advance_scalars(tx, recipe: MuonRecipe, treedef, opt_state, muon_node, adam
     return _settings(hp, recipe), after
 
 
-def ns_flops(m: int, n: int, steps: int = _NS_STEPS) -> int:
-    """The FLOPs of the Newton–Schulz iterations on one ``[m, n]`` matrix (the matmuls; the
-    iteration works on the smaller Gram matrix, so ``m`` and ``n`` may come in either order)."""
-    m, n = min(m, n), max(m, n)
-    return steps * (4 * m * m * n + 2 * m ** 3)
-
-
-def balance(counts: dict, n: int) -> tuple:
-    """Which owner orthogonalises how many matrices of each shape: ``counts`` ``{(m, n): k}``
-    -> one ``{(m, n): k_d}`` per device.
-
-    Each shape's stack is cut into N equal blocks of ``ceil(k / N)`` slots (the all-to-all's
-    unit); a device runs the iterations only on the real matrices of its blocks, so a device may
-    hold fewer than its slots. Matrices go, the costliest shapes first, to the least loaded
-    device with a free slot of their shape: a shape with fewer matrices than devices lands on
-    the devices other shapes leave lightest, and no device does more than it would with every
-    block full (``sum ceil(k / N) * flops``)."""
-    load = [0] * n
-    out = [dict.fromkeys(counts, 0) for _ in range(n)]
-    for key in sorted(counts, key=lambda k: (-ns_flops(*k), k)):
-        cap, cost = -(-counts[key] // n), ns_flops(*key)
-        for _ in range(counts[key]):
-            d = min((d for d in range(n) if out[d][key] < cap), key=lambda d: (load[d], d))
-            out[d][key] += 1
-            load[d] += cost
-    return tuple(out)
-
-
-def _patterns(per_device: tuple):
-    """(distinct per-device assignments, each device's index among them)."""
-    distinct, index = [], []
-    for a in per_device:
-        key = tuple(sorted(a.items()))
-        if key not in distinct:
-            distinct.append(key)
-        index.append(distinct.index(key))
-    return [dict(k) for k in distinct], index
-
-
-def _newton_schulz(stacks, ns_coeffs, eps, owners, per_device=None):
-    """{(m, n): [k, m, n]} -> the orthogonalised stacks; ``owners(run, stacks, per_device)``
-    runs ``run`` on the stacks where their matrices' owners hold them (:func:`_owners`), or
-    ``run(stacks)`` off the mesh. ``run(blocks, real)`` orthogonalises the first ``real[key]``
-    matrices of each block and leaves the rest (padding) zero."""
-    dims = optax.contrib.MuonDimensionNumbers(reduction_axis=1, output_axis=2)
-    ns = lambda x: orthogonalize_via_newton_schulz(x, ns_coeffs, _NS_STEPS, "frobenius", eps, dims)  # noqa: E731
-
-    def run(blocks, real=None):
-        out = {}
-        for key, x in blocks.items():
-            k = x.shape[0] if real is None else real[key]
-            if k == x.shape[0]:
-                out[key] = ns(x)
-            elif k == 0:
-                out[key] = jnp.zeros_like(x)
-            else:
-                out[key] = jnp.concatenate([ns(x[:k]), jnp.zeros_like(x[k:])], axis=0)
-        return out
-    return owners(run, stacks, per_device)
-
-
-# at most this many branches in the owners' program; past it every owner iterates on every slot
-# of its blocks (the empty ones are zero matrices, which the iterations keep zero)
-_MAX_BRANCHES = 32
-
-
-def _by_device(run, per_device, axis):
-    """Inside a shard_map over ``axis``: each device runs ``run`` with its own assignment (one
-    branch per distinct assignment, chosen by the device's index: the program holds the
-    costliest branch's FLOPs, not the sum)."""
-    distinct, index = _patterns(per_device)
-    if len(distinct) == 1:
-        return lambda blocks: run(blocks, distinct[0])
-    if len(distinct) > _MAX_BRANCHES:  # a program that grows with N would cost more to compile than it saves
-        return lambda blocks: run(blocks)
-    table = jnp.asarray(index, jnp.int32)
-    branches = [functools.partial(run, real=a) for a in distinct]
-    return lambda blocks: jax.lax.switch(table[jax.lax.axis_index(axis)], branches, blocks)
-
-
-def _owners(plan, split: Optional[bool] = None):
-    """How the stacks (each a multiple of N matrices) reach their owners, a block of each per
-    device, and which of its matrices each owner orthogonalises (:func:`balance`).
-
-    Stages 1–3 (the stacks built from partitions): a sharding constraint splitting each by
-    matrix, which XLA makes one all-to-all there and one back per stack. Stage 0 (every device
-    holds every matrix): each device takes its blocks (a local slice), orthogonalises them, and
-    one all-gather per stack gives every device the whole result, instead of every device
-    running the iterations on every matrix."""
-    axis = plan.data_axis
-    owned = NamedSharding(plan.mesh, P(axis))
-    whole = NamedSharding(plan.mesh, P())
-
-    def on_owners(run, stacks, per_device):
-        body = _by_device(run, per_device, axis)
-        specs = {k: P(axis) for k in stacks}
-        if (plan.stage >= 1) if split is None else split:
-            stacks = {k: jax.lax.with_sharding_constraint(x, owned) for k, x in stacks.items()}
-            out = shard_map(body, plan.mesh, in_specs=(specs,), out_specs=specs, manual_axes=(axis,))(stacks)
-            return {k: jax.lax.with_sharding_constraint(x, owned) for k, x in out.items()}
-        gather = lambda blocks: {k: jax.lax.all_gather(x, axis, axis=0, tiled=True)  # noqa: E731
-                                 for k, x in body(blocks).items()}
-        # replicated on the way in: the split must not travel back into the momentum's layout
-        stacks = {k: jax.lax.with_sharding_constraint(x, whole) for k, x in stacks.items()}
-        return shard_map(gather, plan.mesh, in_specs=(specs,), out_specs={k: P() for k in stacks},
-                         manual_axes=(axis,))(stacks)
-    return on_owners
-
-
-def _stack(parts, per_device, key, cap, xp=jnp):
-    """Real matrices ``parts`` (``[k_i, m, n]`` each) -> the stack of N blocks of ``cap``
-    slots, device d's block opening with its ``per_device[d][key]`` matrices (in order),
-    zero matrices after (``xp``: jax.numpy, or numpy on the host)."""
-    real = xp.concatenate(parts, axis=0) if len(parts) > 1 else parts[0]
-    pieces, start = [], 0
-    for a in per_device:
-        k = a[key]
-        if k:
-            pieces.append(real[start:start + k])
-            start += k
-        if cap - k:
-            pieces.append(xp.zeros((cap - k,) + key, real.dtype))
-    return xp.concatenate(pieces, axis=0) if len(pieces) > 1 else pieces[0]
-
-
-def _unstack(x, per_device, key, cap, xp=jnp):
-    """The inverse of :func:`_stack`: the real matrices, in order."""
-    pieces = [x[d * cap:d * cap + a[key]] for d, a in enumerate(per_device) if a[key]]
-    return xp.concatenate(pieces, axis=0) if len(pieces) > 1 else pieces[0]
-
-
 def _bias_corrected(x, decay, count):
     return x / (1 - decay ** count).astype(x.dtype)
 
@@ -290,36 +162,6 @@ def _adamw(g, p, mu, nu, s, a_count):
     u = mu_hat / (jnp.sqrt(_bias_corrected(nu, b2, a_count) + s["adam_eps_root"]) + s["eps"])
     u = u + s["adam_weight_decay"] * p
     return -s["adam_learning_rate"] * u, mu, nu
-
-
-def orthogonalise(hats: dict, ns_coeffs, eps, owners, n: int) -> dict:
-    """{leaf index: Nesterov-mixed momentum (a matrix or a stack of them)} -> the same
-    orthogonalised (Newton–Schulz on stacks of same-shape matrices, each whole on its owner:
-    ``owners``, :func:`_owners`) and scaled by ``sqrt(max(1, fan_out / fan_in))``."""
-    if not hats:
-        return {}
-    owners = owners or (lambda run, stacks, per_device: run(stacks))
-    groups: dict = {}
-    for i, h in hats.items():
-        groups.setdefault(tuple(h.shape[-2:]), []).append(i)
-    counts = {key: sum(math.prod(hats[i].shape[:-2]) for i in idx) for key, idx in groups.items()}
-    per_device = balance(counts, n)
-    caps = {key: -(-k // n) for key, k in counts.items()}
-    stacks = {key: _stack([hats[i].reshape((-1,) + key) for i in idx], per_device, key, caps[key])
-              for key, idx in groups.items()}
-    done = _newton_schulz(stacks, ns_coeffs, eps, owners, per_device)
-    out = {}
-    for key, idx in groups.items():
-        real = _unstack(done[key], per_device, key, caps[key])
-        start = 0
-        for i in idx:
-            h = hats[i]
-            count = math.prod(h.shape[:-2])
-            u = real[start:start + count].reshape(h.shape)
-            start += count
-            fan_in, fan_out = h.shape[-2], h.shape[-1]
-            out[i] = u * jnp.sqrt(jnp.maximum(1, fan_out / fan_in))
-    return out
 
 
 def _update(tx, recipe: MuonRecipe, grads, opt_state, params, owners=None, n: int = 1,
@@ -493,11 +335,11 @@ def _cached(tx, key):
 def muon_recipe(plan, tx, host_loop: bool = False) -> Optional[MuonRecipe]:
     """The owner-computed Muon update for ``tx`` on ``plan``, or None (optax's own update runs):
     ``tx`` must be a recognised ``optax.contrib.muon``, the optimizer state in fp32 (partitioned
-    at stages 1–3, replicated at stage 0: :func:`_owners`), on the device or in host memory
-    (``offload_optimizer="cpu"``, any ``offload_ratio``: :func:`muon_offloaded_update`), and
-    every leaf on the data axis only (no tensor or sequence parallel split). ``host_loop``: for
-    the NVMe step (:mod:`zerojax.offload._nvme_muon`), which keeps the state itself, on any
-    number of devices."""
+    at stages 1–3, replicated at stage 0: :func:`zerojax.stages._muon_owners._owners`), on the
+    device or in host memory (``offload_optimizer="cpu"``, any ``offload_ratio``:
+    :func:`muon_offloaded_update`), and every leaf on the data axis only (no tensor or sequence
+    parallel split). ``host_loop``: for the NVMe step (:mod:`zerojax.offload._nvme_muon`), which
+    keeps the state itself, on any number of devices."""
     cfg = plan.config
     if (plan.n < 2 and not host_loop) or cfg.master_weights_dtype or cfg.optimizer_state_dtype:
         return None

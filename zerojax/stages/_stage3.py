@@ -66,9 +66,9 @@ from jax.extend.core import Literal, jaxpr_as_fun
 from zerojax._compat import Tracer, inlined_call, make_jaxpr_keeping_calls, primitives
 from zerojax._plan import LeafLayout, ZeroPlan
 from zerojax.stages._reuse import Fetches, Slicing
-from zerojax.stages._stage3_values import (MARK, Base, Lazy, _anchor, _bind, _chunked_dot, _dims_after,
-                                          _gather_together, _inner, _param, _sharded_lookup, _use_site, eqn_key, gather,
-                                          lazy_key)
+from zerojax.stages._stage3_large import _chunked_dot, _sharded_lookup
+from zerojax.stages._stage3_values import (MARK, Base, Lazy, _anchor, _bind, _dims_after, _gather_together, _inner,
+                                          _param, _use_site, eqn_key, gather, lazy_key)
 from zerojax.stages._zeropp import Wire
 
 __all__ = ["gather", "gathered_loss"]

@@ -82,6 +82,15 @@ def primitives():
     return {"scan": p.scan_p, "while": p.while_p, "calls": calls}
 
 
+def scan_counts(params) -> tuple:
+    """``(num_consts, num_carry)`` of a ``scan`` equation's ``params``: given as such up to jax 0.11;
+    jax 0.12 gives the consts, carry and xs as the three parts of a flat tree (``ft_in``)."""
+    if "num_consts" in params:
+        return params["num_consts"], params["num_carry"]
+    consts, carry, _ = params["ft_in"].unpack()
+    return len(consts), len(carry)
+
+
 def _jit_p():
     from jax.extend.core import primitives as p
 

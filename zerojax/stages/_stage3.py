@@ -63,7 +63,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend.core import Literal, jaxpr_as_fun
 
-from zerojax._compat import Tracer, inlined_call, make_jaxpr_keeping_calls, primitives
+from zerojax._compat import Tracer, inlined_call, make_jaxpr_keeping_calls, primitives, scan_counts
 from zerojax._plan import LeafLayout, ZeroPlan
 from zerojax.stages._reuse import Fetches, Slicing
 from zerojax.stages._stage3_large import _chunked_dot, _sharded_lookup
@@ -267,7 +267,7 @@ class _Interpreter:
 
     def _scan(self, eqn, invals, anchor):
         p = eqn.params
-        nc, ncarry = p["num_consts"], p["num_carry"]
+        nc, ncarry = scan_counts(p)
         consts = [self._plain(x, anchor) for x in invals[:nc]]
         carry = [self._plain(x, anchor) for x in invals[nc:nc + ncarry]]
         xs_in = invals[nc + ncarry:]

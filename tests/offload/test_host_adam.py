@@ -271,7 +271,7 @@ def test_compiled_step_split_with_the_numpy_path(monkeypatch):
     whole = n // block
     start = (whole - round(0.5 * whole)) * block
     cut = start + (n - start) // 2 // 16 * 16  # two helper threads
-    assert ranges == [(start, cut), (cut, n)] * 3
+    assert sorted(ranges) == sorted([(start, cut), (cut, n)] * 3)  # two threads a step: in either order
     assert_close(p, p_ref)
     assert_close(m, m_ref)
     assert_close(v, v_ref)

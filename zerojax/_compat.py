@@ -294,10 +294,14 @@ def persisting_breaks(plan) -> bool:
     the layers in a ``lax.scan`` a fresh compile over "seq" can deadlock the same way on a busy
     machine, host checkpoints or not (the runtime orders a loop's all-to-alls and an outside
     collective differently per device); the suite trains that case with the layers as a Python
-    loop (docs/long-context.md)."""
+    loop (docs/long-context.md). And with jax 0.12, a multi-process job's step on CPU devices read
+    back from the cache waits forever in its first collective (a job restarted by ``zerojax launch
+    --max-restarts`` hung in its first step, where a fresh compile runs), so steps of a
+    multi-process job on CPU devices stay out of it too."""
+    if plan.mesh.devices.flat[0].platform != "cpu":
+        return False
     block = plan.config.activation_checkpointing or {}
-    return (plan.mesh.shape.get("seq", 1) > 1 and bool(block.get("cpu_checkpointing"))
-            and plan.mesh.devices.flat[0].platform == "cpu")
+    return (plan.mesh.shape.get("seq", 1) > 1 and bool(block.get("cpu_checkpointing"))) or jax.process_count() > 1
 
 
 def known_xla_flags(flags, python: str | None = None) -> list:

@@ -28,8 +28,9 @@ import jax.numpy as jnp
 from zerojax.checkpoint import consolidate
 from zerojax.config import ZeroConfig
 from zerojax.config._deepspeed import TrainingArgs, key_report
-from zerojax._errors import ConfigError
+from zerojax._errors import ConfigError, ZeroJaxError
 from zerojax.tools._estimate import estimate_tables, zero_paper_bytes
+from zerojax.tools._gpu import TARGETS
 from zerojax.tools._planning import Ref, gpt_sizes, named_gpt, plan_step
 
 
@@ -157,8 +158,9 @@ def _run_plan_step(args: argparse.Namespace) -> int:
           f"stage {args.stage}, {args.precision}, micro-batch {args.micro_batch} x GAS {args.gas} per device",
           flush=True)
     try:
-        plan = plan_step(init_fn, loss_fn, batch, devices=args.devices, config=config, tx=Ref("optax:adamw", 1e-4))
-    except RuntimeError as e:
+        plan = plan_step(init_fn, loss_fn, batch, devices=args.devices, config=config, tx=Ref("optax:adamw", 1e-4),
+                         target=args.target)
+    except (RuntimeError, ZeroJaxError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(plan)
@@ -169,10 +171,14 @@ def _run_plan_step(args: argparse.Namespace) -> int:
 
 
 def _add_plan_step(sub) -> None:
-    p = sub.add_parser("step", help="compile a GPT train step for N (simulated) devices and print its "
-                                    "per-device peak, stored state and collectives")
+    p = sub.add_parser("step", help="compile a GPT train step for N (simulated CPU, or --target GPU) devices and "
+                                    "print its per-device peak, stored state and collectives")
     p.add_argument("--model", required=True, choices=sorted(gpt_sizes()))
-    p.add_argument("--devices", type=_positive_int, required=True, help="data-parallel devices N")
+    p.add_argument("--devices", "--gpus", dest="devices", type=_positive_int, required=True,
+                   help="data-parallel devices N")
+    p.add_argument("--target", default=None, choices=sorted(TARGETS),
+                   help="compile with XLA's GPU compiler for N GPUs of this kind (needs JAX's CUDA plugin, "
+                        "no GPU): adds fits-or-not, overlap and a roofline step time")
     p.add_argument("--stage", type=int, default=3, choices=[0, 1, 2, 3])
     p.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32"])
     p.add_argument("--micro-batch", type=_positive_int, default=1, help="sequences per device per micro-batch")
@@ -206,7 +212,7 @@ _COMMANDS: dict[str, tuple[str, list[Callable]]] = {
     "config": ("DeepSpeed JSON configs", [_add_config_check]),
     "estimate": ("memory estimates", [_add_estimate_memory]),
     "checkpoint": ("checkpoints", [_add_checkpoint_consolidate]),
-    "plan": ("compile the real step for N simulated devices", [_add_plan_step]),
+    "plan": ("compile the real step for N simulated devices or N GPUs of a kind", [_add_plan_step]),
 }
 
 

@@ -248,6 +248,14 @@ def cost_analysis(compiled) -> dict:
     cost = compiled.cost_analysis()
     if isinstance(cost, (list, tuple)):
         cost = cost[0] if cost else {}
+    if not cost:  # a program for compile-only devices has none: XLA's HloCostAnalysis of its module
+        try:
+            from jax._src.lib import _jax
+
+            module = compiled.runtime_executable().hlo_modules()[0]
+            cost = _jax.hlo_module_cost_analysis(jax.devices("cpu")[0].client, module)
+        except (ImportError, AttributeError, IndexError, RuntimeError):  # pragma: no cover
+            cost = {}
     return dict(cost or {})
 
 
@@ -443,3 +451,53 @@ def lowered_on_cpu_as(cpu_fn, other_fn):
         return jax.lax.platform_dependent(*args, cpu=cpu_fn, default=other_fn)
 
     return fn
+
+
+# Fields XLA's GpuTargetConfigProto gained after some jaxlib releases: a jaxlib that does not know
+# one refuses the whole text ("Failed to parse GpuTargetConfigProto"; jaxlib 0.10.2 does not know
+# collective_memory_granularity, which XLA's own target files carry).
+_NEWER_GPU_TARGET_FIELDS = ("collective_memory_granularity",)
+
+
+def gpu_topology(target_config: str, topology: str):
+    """Compile-only CUDA devices for ``topology`` ("partitions x hosts x GPUs per host", e.g.
+    ``"1x1x8"``) of the GPU that ``target_config`` (a GpuTargetConfigProto in text form)
+    describes: ``jax.experimental.topologies.get_topology_desc``, retried without the fields
+    this jaxlib does not parse where it refuses the text."""
+    import os
+    import tempfile
+
+    from jax.experimental import topologies
+
+    # XLA logs the parse error on the process's stderr before raising: keep it out of sight
+    # unless the retry is no answer to it
+    with tempfile.TemporaryFile() as log:
+        saved = os.dup(2)
+        os.dup2(log.fileno(), 2)
+        try:
+            return topologies.get_topology_desc(platform="cuda", target_config=target_config, topology=topology)
+        except Exception as e:  # noqa: BLE001 - jaxlib raises its own runtime error type
+            if "GpuTargetConfigProto" not in str(e):
+                os.dup2(saved, 2)
+                log.seek(0)
+                os.write(2, log.read())
+                raise
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+    kept = [line for line in target_config.splitlines()
+            if line.strip().split(":", 1)[0] not in _NEWER_GPU_TARGET_FIELDS]
+    return topologies.get_topology_desc(platform="cuda", target_config="\n".join(kept), topology=topology)
+
+
+def cuda_plugin():
+    """The name of the CUDA plugin JAX would load here (``"cuda12"``, ``"cuda13"``), or None."""
+    import importlib.util
+
+    for major in ("cuda13", "cuda12"):
+        try:
+            if importlib.util.find_spec(f"jax_plugins.xla_{major}") is not None:
+                return major
+        except (ImportError, ValueError):  # pragma: no cover - a broken namespace package
+            continue
+    return None

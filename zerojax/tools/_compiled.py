@@ -365,5 +365,69 @@ def peak_memory(step, state, batch) -> PeakMemory:
                       m.alias_size_in_bytes, getattr(m, "host_temp_size_in_bytes", 0))
 
 
-__all__ = ["CommReport", "PeakMemory", "SPANS", "collectives", "comm_report", "node_map", "peak_memory",
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*.*?\s([a-z][a-z0-9_\-]*)\((.*)$")
+_ASYNC = re.compile(r"^(" + "|".join(_KINDS) + r")-start$")
+# what does the work between a collective's start and its done: kernels and calls of computations
+_COMPUTE = ("fusion", "custom-call", "convolution", "dot", "while", "call", "conditional", "sort", "scatter",
+            "gather", "reduce", "reduce-window", "select-and-scatter")
+
+
+@dataclasses.dataclass
+class Overlap:
+    """Asynchronous collectives of a scheduled program: ``kinds[kind] = (starts, overlapped)``,
+    where a start is overlapped when the schedule puts compute (a kernel or a call) between it and
+    its done. ``synchronous[kind]``: collectives of that kind the program runs without a
+    start/done pair."""
+
+    kinds: Dict[str, tuple]
+    synchronous: Dict[str, int]
+
+    @property
+    def starts(self) -> int:
+        return sum(v[0] for v in self.kinds.values())
+
+    @property
+    def overlapped(self) -> int:
+        return sum(v[1] for v in self.kinds.values())
+
+    def __str__(self) -> str:
+        parts = [f"{k} {o}/{s}" for k, (s, o) in sorted(self.kinds.items())]
+        sync = sum(self.synchronous.values())
+        return (f"{self.overlapped} of {self.starts} async collectives overlap compute ({', '.join(parts) or 'none'})"
+                + (f"; {sync} synchronous" if sync else ""))
+
+
+def overlap(hlo_text: str) -> Overlap:
+    """Which asynchronous collectives of a scheduled HLO module (``compiled.as_text()`` of an
+    XLA:GPU program) have compute scheduled between their start and their done: the ones that can
+    hide behind it. Counted per appearance in the module's text (a loop body's once)."""
+    kinds: Dict[str, list] = {}
+    synchronous: Dict[str, int] = defaultdict(int)
+    open_starts: Dict[str, tuple] = {}
+    for line in hlo_text.splitlines():
+        if _HEADER.match(line) or line.strip() == "}":
+            open_starts.clear()  # a new computation: its schedule is its own
+            continue
+        m = _INSTRUCTION.match(line)
+        if m is None:
+            continue
+        name, op, rest = m.groups()
+        start = _ASYNC.match(op)
+        if start:
+            open_starts[name] = (start.group(1), False)
+            kinds.setdefault(start.group(1), [0, 0])[0] += 1
+        elif op.endswith("-done") and op[:-5] in _KINDS:
+            operand = re.match(r"\s*%?([\w.\-]+)", rest)
+            begun = open_starts.pop(operand.group(1), None) if operand else None
+            if begun is not None and begun[1]:
+                kinds[begun[0]][1] += 1
+        elif op in _KINDS:
+            synchronous[op] += 1
+        elif op in _COMPUTE:
+            for key, (kind, _) in open_starts.items():
+                open_starts[key] = (kind, True)
+    return Overlap({k: tuple(v) for k, v in kinds.items()}, dict(synchronous))
+
+
+__all__ = ["CommReport", "Overlap", "PeakMemory", "SPANS", "collectives", "comm_report", "node_map", "overlap", "peak_memory",
            "replica_groups", "theory_elements"]

@@ -51,13 +51,16 @@ from zerojax.runtime._launch import with_device_count
 from zerojax.stages._zeropp import node_size
 from zerojax._state import abstract_train_state
 from zerojax._step import make_train_step
+from zerojax._compat import cost_analysis, cuda_plugin
 from zerojax.tools._compiled import (
     CommReport,
     PeakMemory,
     collectives,
     node_map,
+    overlap,
     theory_elements,
 )
+from zerojax.tools._gpu import can_compile_here, gpu_target, missing_plugin, target_devices
 from zerojax.tools._estimate import estimate
 
 _STDERR_TAIL = 4000
@@ -159,10 +162,54 @@ class StepPlan:
     subprocess: bool
     platform: str = "cpu"
     comm: Optional[CommReport] = None  # the collectives in full: per span (inside / across nodes), re-priceable
+    # compiled for a GPU (target=...): the GPU, its memory and peaks, and what XLA:GPU scheduled
+    target: Optional[str] = None
+    gpu_memory_bytes: int = 0
+    peak_flops: float = 0.0  # dense, at the step's precision
+    hbm_bandwidth: float = 0.0  # bytes per second
+    link_bandwidth: float = 0.0  # NVLink, one direction, bytes per second
+    network_bandwidth: float = 0.0  # to other nodes, per GPU
+    flops: float = 0.0  # XLA's count for the optimized program, per device (recomputation included)
+    bytes_accessed: float = 0.0
+    async_collectives: Dict[str, tuple] = dataclasses.field(default_factory=dict)  # kind -> (starts, overlapped)
+    sync_collectives: int = 0
 
     @property
     def seconds(self) -> float:
         return self.lower_seconds + self.compile_seconds
+
+    @property
+    def fits(self) -> Optional[bool]:
+        """Whether the per-device peak fits the target GPU's memory (None without a target)."""
+        return None if not self.target else self.peak_bytes <= self.gpu_memory_bytes
+
+    @property
+    def overlapped(self) -> tuple:
+        """(overlapped, asynchronous) collective starts: those with compute scheduled before their done."""
+        return (sum(v[1] for v in self.async_collectives.values()), sum(v[0] for v in self.async_collectives.values()))
+
+    @property
+    def roofline(self) -> Dict[str, float]:
+        """Seconds per step by each bound on the target: ``compute`` (XLA's flops at the dense
+        peak), ``memory`` (its bytes accessed at HBM bandwidth), ``comm`` (what a device sends in
+        its collectives' rings, NVLink inside a node and the network across nodes), and ``step``:
+        the largest of them, the time when everything else hides behind it."""
+        if not self.target:
+            return {}
+        comm = 0.0
+        if self.comm is not None:
+            comm = (self.comm.volume(span="inside", sent=True) / self.link_bandwidth
+                    + self.comm.volume(span="across", sent=True) / self.network_bandwidth)
+        out = {"compute": self.flops / self.peak_flops, "memory": self.bytes_accessed / self.hbm_bandwidth,
+               "comm": comm}
+        out["step"] = max(out.values())
+        return out
+
+    @property
+    def mfu(self) -> Optional[float]:
+        """XLA's flops over (roofline step time x peak): the utilisation the roofline allows."""
+        r = self.roofline
+        return self.flops / (r["step"] * self.peak_flops) if r and r["step"] else None
 
     @property
     def device_peak_bytes(self) -> int:
@@ -172,8 +219,12 @@ class StepPlan:
 
     def __str__(self) -> str:
         mesh = " x ".join(f"{k}={v}" for k, v in self.mesh_shape.items())
-        where = ("in a child process on simulated CPU devices" if self.subprocess
-                 else f"on this process's {self.platform} devices")
+        if self.target:
+            where = (f"for {self.devices} compile-only {self.target} GPUs by XLA:GPU"
+                     + (" in a child process" if self.subprocess else ""))
+        else:
+            where = ("in a child process on simulated CPU devices" if self.subprocess
+                     else f"on this process's {self.platform} devices")
         ratio = self.collective_elements / self.theory_elements if self.theory_elements else float("nan")
         count = f"{self.n_params / 1e9:.2f}B" if self.n_params >= 1e9 else f"{self.n_params / 1e6:.2f}M"
         return "\n".join([
@@ -186,7 +237,25 @@ class StepPlan:
             + (f", {_size(self.stored_host_bytes)} on host" if self.stored_host_bytes else ""),
             f"  collectives per step  {_size(self.collective_bytes)} ({self.collective_elements / 1e6:.2f}M "
             f"elements; ZeRO theory {self.theory_elements / 1e6:.2f}M, ratio {ratio:.3f})",
-        ])
+        ] + self._gpu_lines())
+
+    def _gpu_lines(self) -> list:
+        if not self.target:
+            return []
+        margin = self.gpu_memory_bytes - self.peak_bytes
+        verdict = (f"fits, {_size(margin)} to spare" if margin >= 0 else f"does NOT fit: {_size(-margin)} over")
+        done, starts = self.overlapped
+        r = self.roofline
+        mfu = self.mfu
+        return [
+            f"  {self.target} memory          {_size(self.gpu_memory_bytes)} per GPU: the peak {verdict} "
+            f"({self.peak_bytes / self.gpu_memory_bytes:.1%})",
+            f"  overlap               {done} of {starts} async collectives have compute scheduled before their done"
+            + (f"; {self.sync_collectives} synchronous" if self.sync_collectives else ""),
+            f"  roofline per step     {r['step'] * 1e3:.2f} ms (compute {r['compute'] * 1e3:.2f}, memory "
+            f"{r['memory'] * 1e3:.2f}, collectives {r['comm'] * 1e3:.2f}; {self.flops / 1e12:.3f} TFLOP per GPU)"
+            + (f", MFU at most {mfu:.1%}" if mfu is not None else ""),
+        ]
 
 
 def _size(nbytes: float) -> str:
@@ -228,14 +297,15 @@ def _is_shape_pair(x) -> bool:
 
 
 def _plan_here(init_fn, loss_fn, batch_spec, axes: Dict[str, int], config: ZeroConfig, tx, param_specs,
-               has_aux: bool, subprocess_: bool) -> StepPlan:
-    """Compile on this process's first prod(axes) devices."""
+               has_aux: bool, subprocess_: bool, target: Optional[str] = None) -> StepPlan:
+    """Compile on this process's first prod(axes) devices, or for prod(axes) compile-only GPUs
+    of ``target``."""
     import optax
-
 
     init_fn, loss_fn = resolve(init_fn), resolve(loss_fn)
     tx = optax.adamw(1e-3) if tx is None else resolve(tx)
-    mesh = make_mesh(tuple(axes.values()), tuple(axes.keys()))
+    devices = target_devices(target, math.prod(axes.values())) if target else None
+    mesh = make_mesh(tuple(axes.values()), tuple(axes.keys()), devices=devices)
     shapes = jax.eval_shape(init_fn, jax.random.PRNGKey(0)) if callable(init_fn) else init_fn
     t0 = time.perf_counter()
     state = abstract_train_state(shapes, tx, mesh=mesh, config=config, param_specs=param_specs)
@@ -255,6 +325,13 @@ def _plan_here(init_fn, loss_fn, batch_spec, axes: Dict[str, int], config: ZeroC
     comm.theory_elements, comm.theory_label = theory, label
     stored = estimate(shapes, mesh, config, tx, param_specs=param_specs)
     host = max((stored.max_bytes(k) for k in stored.kinds if k != "device"), default=0)
+    gpu = {}
+    if target:
+        t, cost, sched = gpu_target(target), cost_analysis(compiled), overlap(compiled.as_text())
+        gpu = dict(target=t.name, gpu_memory_bytes=t.memory_bytes, peak_flops=t.peak_flops(config.precision),
+                   hbm_bandwidth=t.hbm_bandwidth, link_bandwidth=t.link, network_bandwidth=t.network,
+                   flops=float(cost.get("flops", 0.0)), bytes_accessed=float(cost.get("bytes accessed", 0.0)),
+                   async_collectives=dict(sched.kinds), sync_collectives=sum(sched.synchronous.values()))
     return StepPlan(
         devices=math.prod(axes.values()), mesh_shape=dict(axes),
         n_params=sum(lay.size for lay in state.plan.leaves),
@@ -264,12 +341,12 @@ def _plan_here(init_fn, loss_fn, batch_spec, axes: Dict[str, int], config: ZeroC
         collective_bytes=int(comm.total_bytes), collective_elements=int(comm.total_elements),
         theory_elements=float(theory), collectives={k: tuple(int(x) for x in v) for k, v in comm.kinds.items()},
         lower_seconds=t1 - t0, compile_seconds=t2 - t1, subprocess=subprocess_,
-        platform=mesh.devices.flat[0].platform, comm=comm,
+        platform=mesh.devices.flat[0].platform, comm=comm, **gpu,
     )
 
 
 _CHILD_FAILED = """\
-plan_step's child process (simulating {n} CPU devices) failed with exit code {rc}.
+plan_step's child process (compiling for {n} devices) failed with exit code {rc}.
 Its last lines of output:
 {tail}
 If the error is in your model, the same error shows in-process on a smaller device count;
@@ -306,7 +383,7 @@ def _plan_in_child(request: dict, n: int, timeout: Optional[float]) -> StepPlan:
                                   text=True, timeout=timeout)
         except subprocess.TimeoutExpired as e:
             tail = ((e.stderr or b"").decode() if isinstance(e.stderr, bytes) else (e.stderr or ""))[-_STDERR_TAIL:]
-            raise ZeroJaxError(f"plan_step's child process (simulating {n} CPU devices) ran past timeout={timeout}s."
+            raise ZeroJaxError(f"plan_step's child process (compiling for {n} devices) ran past timeout={timeout}s."
                                f"\n{tail}") from None
         if proc.returncode != 0 or not os.path.exists(out):
             tail = (proc.stderr or proc.stdout or "(no output)")[-_STDERR_TAIL:]
@@ -322,10 +399,10 @@ def _child_main(request_path: str, out_path: str) -> None:
     with open(request_path, "rb") as f:
         r = pickle.load(f)
     n = math.prod(r["axes"].values())
-    if len(jax.devices()) < n:  # pragma: no cover - the parent set the device count
+    if not r.get("target") and len(jax.devices()) < n:  # pragma: no cover - the parent set the device count
         raise ZeroJaxError(f"child has {len(jax.devices())} devices, needs {n}; XLA_FLAGS={os.environ.get('XLA_FLAGS')}")
     plan = _plan_here(r["init_fn"], r["loss_fn"], r["batch"], r["axes"], r["config"], r["tx"], r["param_specs"],
-                      r["has_aux"], True)
+                      r["has_aux"], True, r.get("target"))
     with open(out_path, "wb") as f:
         pickle.dump(dataclasses.asdict(plan), f)
 
@@ -342,6 +419,7 @@ def plan_step(
     param_specs=None,
     has_aux: bool = False,
     timeout: Optional[float] = None,
+    target: Optional[str] = None,
 ) -> StepPlan:
     """Compile the ZeRO train step for ``devices`` devices from shapes and report what it needs.
 
@@ -356,6 +434,13 @@ def plan_step(
         plan = zj.plan_step(init_params, loss_fn, {"x": jax.ShapeDtypeStruct((64, 128), jnp.float32)},
                             devices=64, config=zj.ZeroConfig(stage=3, precision="bf16"))
         plan.peak_bytes, plan.stored_bytes, plan.collective_bytes
+
+    ``target="h100"`` (or ``"h200"``, ``"a100"``: :data:`zerojax.tools._gpu.TARGETS`) compiles the
+    step with XLA's GPU compiler for ``devices`` compile-only GPUs of that kind, in nodes of 8, on
+    any machine: the peak is XLA:GPU's, ``plan.fits`` says whether it fits the GPU's memory, and
+    the plan adds the scheduled collectives' overlap and a roofline estimate of the step time.
+    This needs JAX's CUDA plugin; a process whose JAX platforms are not cpu-only compiles in a
+    child process (with the same rules for what can be sent there).
     """
     config = ZeroConfig() if config is None else config
     if not isinstance(config, ZeroConfig):
@@ -363,12 +448,18 @@ def plan_step(
     axes = _mesh_axes(devices, mesh_shape, config)
     n = math.prod(axes.values())
     batch = _batch_spec(batch_shapes)
-    if len(jax.devices()) >= n:
+    if target is not None:
+        target = gpu_target(target).name
+        if can_compile_here():
+            return _plan_here(init_fn, loss_fn, batch, axes, config, tx, param_specs, has_aux, False, target)
+        if cuda_plugin() is None:  # say so here, not from a child
+            raise missing_plugin(target)
+    elif len(jax.devices()) >= n:
         return _plan_here(init_fn, loss_fn, batch, axes, config, tx, param_specs, has_aux, False)
     if not callable(init_fn) and not isinstance(init_fn, (str, Ref)):
         init_fn = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(tuple(x.shape), np.dtype(x.dtype)), init_fn)
     request = {"init_fn": init_fn, "loss_fn": loss_fn, "batch": batch, "axes": axes, "config": config, "tx": tx,
-               "param_specs": param_specs, "has_aux": has_aux}
+               "param_specs": param_specs, "has_aux": has_aux, "target": target}
     return _plan_in_child(request, n, timeout)
 
 

@@ -501,3 +501,44 @@ def cuda_plugin():
         except (ImportError, ValueError):  # pragma: no cover - a broken namespace package
             continue
     return None
+
+
+class CompiledFor:
+    """A program XLA compiled for compile-only devices from a module lowered elsewhere: the
+    parts of ``jax.stages.Compiled`` a plan reads."""
+
+    def __init__(self, executable):
+        self._executable = executable
+
+    def memory_analysis(self):
+        return self._executable.get_compiled_memory_stats()
+
+    def as_text(self) -> str:
+        return self._executable.hlo_modules()[0].to_string()
+
+    def runtime_executable(self):
+        return self._executable
+
+    def cost_analysis(self):
+        return None  # cost_analysis() below reads the module with XLA's HloCostAnalysis
+
+
+def compile_lowered_for(lowered, devices) -> CompiledFor:
+    """Compile ``lowered`` (a ``jax.stages.Lowered`` of an SPMD program over ``len(devices)``
+    devices, lowered for their platform) for ``devices``, compile-only devices of a GPU
+    topology, in the order of the mesh it was lowered over.
+
+    A step over compile-only devices cannot carry memory kinds (they list no memories, so JAX
+    drops ``pinned_host`` from its shardings and the offloaded state lands in device memory);
+    lowered over the same mesh of CPU devices for ``lowering_platforms=("cuda",)`` it keeps
+    them, and this compiles that module with the GPU topology's compiler."""
+    from jax._src import compiler
+    from jax._src.lib import xla_client as xc
+
+    n = len(devices)
+    options = compiler.get_compile_options(num_replicas=1, num_partitions=n,
+                                           device_assignment=np.array(devices).reshape(1, n))
+    executable = devices[0].client.compile(lowered.compiler_ir("stablehlo"),
+                                           executable_devices=xc.DeviceList(tuple(devices)),
+                                           compile_options=options)
+    return CompiledFor(executable)

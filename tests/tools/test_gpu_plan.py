@@ -10,6 +10,7 @@ import pytest
 import zerojax as zj
 from zerojax import _compat
 from zerojax._cli import main as cli_main
+from zerojax.kernels import _native as native
 from zerojax.models import gpt
 from zerojax.tools import _gpu, _planning
 from zerojax.tools._compiled import overlap
@@ -34,7 +35,7 @@ def test_an_unknown_target_is_refused_with_the_choices():
 def test_without_the_cuda_plugin_the_error_names_the_install_command(monkeypatch):
     monkeypatch.setattr(_planning, "cuda_plugin", lambda: None)
     monkeypatch.setattr(_gpu, "cuda_plugin", lambda: None)
-    with pytest.raises(zj.ZeroJaxError, match=r'pip install "jax\[cuda12\]==' + jax.__version__.replace(".", r"\.")):
+    with pytest.raises(zj.ZeroJaxError, match=r'pip install "jax-cuda12-plugin==' + jax.__version__.replace(".", r"\.")):
         _plan(3)
     assert cli_main(["plan", "--target", "h100", "--gpus", "8", "--model", "gpt2-small"]) == 1
 
@@ -115,3 +116,13 @@ def test_stage3_compiles_for_h100_below_stage0_and_fits():
     done, starts = s3.overlapped
     assert starts > 0 and s3.async_collectives.get("all-gather", (0, 0))[0] > 0  # XLA:GPU runs them async
     assert "compiled for 8 compile-only h100 GPUs by XLA:GPU" in str(s3) and "the peak fits" in str(s3)
+
+
+@needs_plugin
+def test_offloaded_optimizer_state_stays_off_the_gpu():
+    # bf16 at stage 2 on 8 GPUs keeps 2 bytes a param on the GPU with the state offloaded, 3.5 without
+    on_gpu, offloaded = _plan(2, precision="bf16"), _plan(2, precision="bf16", offload_optimizer="cpu")
+    assert offloaded.argument_bytes <= 0.6 * on_gpu.argument_bytes, (offloaded.argument_bytes, on_gpu.argument_bytes)
+    assert offloaded.host_argument_bytes >= offloaded.stored_host_bytes > 0 and on_gpu.host_argument_bytes == 0
+    # the native CPU kernel never reaches a GPU program: the host update runs as the GPU's host computation
+    assert native.TARGET not in offloaded.custom_calls and offloaded.custom_calls, offloaded.custom_calls

@@ -6,7 +6,7 @@ XLA compiles for a GPU it cannot see when it is given the GPU's ``GpuTargetConfi
 topology="1x<hosts>x<gpus per host>")``): the devices it returns cannot run anything, but a
 step lowered and compiled for them is the program XLA:GPU would run, with its scheduled
 collectives, its kernels and its memory analysis. It needs JAX's CUDA plugin (``jax[cuda12]`` or
-``jax[cuda13]`` at the installed jax's version, which brings ptxas) and a process whose JAX
+``jax[cuda13]`` at the installed jax's version; the plugin and its PJRT library alone serve) and a process whose JAX
 platforms are ``cpu`` (on a machine without a driver the plugin's start-up check fails
 otherwise); :func:`zerojax.plan_step` starts such a process itself where this one is not.
 
@@ -91,9 +91,12 @@ def gpu_target(name) -> GpuTarget:
 
 
 def install_command() -> str:
-    """The pip command that installs JAX's CUDA plugin at this jax's version."""
-    version = jax.__version__
-    return f'pip install "jax[cuda12]=={version}" absl-py   (or jax[cuda13] where no cuda12 plugin of {version} exists)'
+    """The pip command that installs JAX's CUDA plugin at this jax's version: the plugin and its
+    PJRT library are all XLA:GPU needs to compile (about 0.5 GB; ``jax[cuda12]`` adds the CUDA
+    libraries a GPU runs with, about 5 GB more)."""
+    v = jax.__version__
+    return (f'pip install "jax-cuda12-plugin=={v}" "jax-cuda12-pjrt=={v}" (or the cuda13 pair where no cuda12 '
+            f'plugin of jax {v} exists)')
 
 
 def missing_plugin(target) -> ZeroJaxError:

@@ -33,6 +33,7 @@ import importlib
 import math
 import os
 import pickle
+import re
 import subprocess
 import sys
 import tempfile
@@ -51,7 +52,7 @@ from zerojax.runtime._launch import with_device_count
 from zerojax.stages._zeropp import node_size
 from zerojax._state import abstract_train_state
 from zerojax._step import make_train_step
-from zerojax._compat import cost_analysis, cuda_plugin
+from zerojax._compat import compile_lowered_for, cost_analysis, cuda_plugin
 from zerojax.tools._compiled import (
     CommReport,
     PeakMemory,
@@ -173,6 +174,9 @@ class StepPlan:
     bytes_accessed: float = 0.0
     async_collectives: Dict[str, tuple] = dataclasses.field(default_factory=dict)  # kind -> (starts, overlapped)
     sync_collectives: int = 0
+    host_argument_bytes: int = 0  # the program's arguments in host memory (offloaded state), per device
+    host_temp_bytes: int = 0
+    custom_calls: tuple = ()  # the custom-call targets of the compiled program, sorted
 
     @property
     def seconds(self) -> float:
@@ -249,7 +253,9 @@ class StepPlan:
         mfu = self.mfu
         return [
             f"  {self.target} memory          {_size(self.gpu_memory_bytes)} per GPU: the peak {verdict} "
-            f"({self.peak_bytes / self.gpu_memory_bytes:.1%})",
+            f"({self.peak_bytes / self.gpu_memory_bytes:.1%})"
+            + (f"; host memory: arguments {_size(self.host_argument_bytes)}, temporaries {_size(self.host_temp_bytes)}"
+               if self.host_argument_bytes or self.host_temp_bytes else ""),
             f"  overlap               {done} of {starts} async collectives have compute scheduled before their done"
             + (f"; {self.sync_collectives} synchronous" if self.sync_collectives else ""),
             f"  roofline per step     {r['step'] * 1e3:.2f} ms (compute {r['compute'] * 1e3:.2f}, memory "
@@ -304,17 +310,24 @@ def _plan_here(init_fn, loss_fn, batch_spec, axes: Dict[str, int], config: ZeroC
 
     init_fn, loss_fn = resolve(init_fn), resolve(loss_fn)
     tx = optax.adamw(1e-3) if tx is None else resolve(tx)
-    devices = target_devices(target, math.prod(axes.values())) if target else None
-    mesh = make_mesh(tuple(axes.values()), tuple(axes.keys()), devices=devices)
+    # for a GPU target the step is lowered over this process's CPU devices for CUDA (so that its
+    # memory kinds hold) and compiled by XLA:GPU for the target's compile-only devices
+    mesh = make_mesh(tuple(axes.values()), tuple(axes.keys()), devices=jax.devices("cpu") if target else None)
     shapes = jax.eval_shape(init_fn, jax.random.PRNGKey(0)) if callable(init_fn) else init_fn
     t0 = time.perf_counter()
     state = abstract_train_state(shapes, tx, mesh=mesh, config=config, param_specs=param_specs)
     step = make_train_step(loss_fn, state, has_aux=has_aux)
     batch = jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(s[0], np.dtype(s[1])), batch_spec,
                                    is_leaf=_is_shape_pair)
-    lowered = step.lower(state, batch)
-    t1 = time.perf_counter()
-    compiled = lowered.compile()
+    if target:
+        lowered = step.trace(state, batch).lower(lowering_platforms=("cuda",))
+        gpus = np.array(target_devices(target, mesh.devices.size)).reshape(mesh.devices.shape)
+        t1 = time.perf_counter()
+        compiled = compile_lowered_for(lowered, list(gpus.flat))
+    else:
+        lowered = step.lower(state, batch)
+        t1 = time.perf_counter()
+        compiled = lowered.compile()
     t2 = time.perf_counter()
     m = compiled.memory_analysis()
     peak = PeakMemory(m.argument_size_in_bytes, m.output_size_in_bytes, m.temp_size_in_bytes,
@@ -331,7 +344,10 @@ def _plan_here(init_fn, loss_fn, batch_spec, axes: Dict[str, int], config: ZeroC
         gpu = dict(target=t.name, gpu_memory_bytes=t.memory_bytes, peak_flops=t.peak_flops(config.precision),
                    hbm_bandwidth=t.hbm_bandwidth, link_bandwidth=t.link, network_bandwidth=t.network,
                    flops=float(cost.get("flops", 0.0)), bytes_accessed=float(cost.get("bytes accessed", 0.0)),
-                   async_collectives=dict(sched.kinds), sync_collectives=sum(sched.synchronous.values()))
+                   async_collectives=dict(sched.kinds), sync_collectives=sum(sched.synchronous.values()),
+                   host_argument_bytes=int(getattr(m, "host_argument_size_in_bytes", 0)),
+                   host_temp_bytes=int(getattr(m, "host_temp_size_in_bytes", 0)),
+                   custom_calls=tuple(sorted(set(re.findall(r'custom_call_target="([^"]+)"', compiled.as_text())))))
     return StepPlan(
         devices=math.prod(axes.values()), mesh_shape=dict(axes),
         n_params=sum(lay.size for lay in state.plan.leaves),
@@ -341,7 +357,7 @@ def _plan_here(init_fn, loss_fn, batch_spec, axes: Dict[str, int], config: ZeroC
         collective_bytes=int(comm.total_bytes), collective_elements=int(comm.total_elements),
         theory_elements=float(theory), collectives={k: tuple(int(x) for x in v) for k, v in comm.kinds.items()},
         lower_seconds=t1 - t0, compile_seconds=t2 - t1, subprocess=subprocess_,
-        platform=mesh.devices.flat[0].platform, comm=comm, **gpu,
+        platform="cuda" if target else mesh.devices.flat[0].platform, comm=comm, **gpu,
     )
 
 
@@ -450,7 +466,7 @@ def plan_step(
     batch = _batch_spec(batch_shapes)
     if target is not None:
         target = gpu_target(target).name
-        if can_compile_here():
+        if can_compile_here() and len(jax.devices("cpu")) >= n:
             return _plan_here(init_fn, loss_fn, batch, axes, config, tx, param_specs, has_aux, False, target)
         if cuda_plugin() is None:  # say so here, not from a child
             raise missing_plugin(target)

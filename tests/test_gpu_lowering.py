@@ -15,6 +15,14 @@ lowers each step for CUDA and for this machine and checks that
 * a ``fused_adam=True`` step holds the GPU kernel's custom call (``xla.gpu.triton`` on JAX
   0.10), and no other step does.
 
+Where JAX's CUDA plugin is installed (CI's oldest environment installs it), each CUDA lowering is
+also compiled by XLA's GPU compiler for 8 compile-only H100s (:func:`gpu_program_problems`, the
+way ``zj.plan_step(target="h100")`` compiles), and the compiled program is checked too: it
+compiles, its custom calls are all GPU kernels (cuBLAS/cuDNN/Triton) or the host computation of
+an offloaded update, host-resident state is in its host arguments and not in its device bytes,
+the fused Adam is a compiled Triton (or Mosaic GPU) kernel, and every collective is asynchronous
+(a start/done pair XLA:GPU can overlap).
+
 The controls at the end show each check failing on a program built to break it.
 """
 import collections
@@ -30,7 +38,8 @@ from jax.sharding import PartitionSpec as P
 
 import zerojax as zj
 from tests.helpers import batches, init_params, loss_fn
-from zerojax._compat import pallas_gpu_backend, shard_map
+from zerojax._compat import compile_lowered_for, cuda_plugin, pallas_gpu_backend, shard_map
+from zerojax.tools._compiled import overlap
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "collective_permute")
 _COLLECTIVE = re.compile(r"stablehlo\.(" + "|".join(COLLECTIVES) + r")\b")
@@ -54,7 +63,8 @@ def custom_calls(text: str) -> collections.Counter:
 def cuda_problems(traced, *, host_memory: bool = False, gpu_kernel: bool = False) -> list:
     """What keeps ``traced`` (a jax ``Traced``) from running on a GPU; empty when nothing does."""
     try:
-        cuda = traced.lower(lowering_platforms=("cuda",)).as_text()
+        lowered = traced.lower(lowering_platforms=("cuda",))
+        cuda = lowered.as_text()
     except Exception as e:  # noqa: BLE001 - any refusal is the finding
         return [f"does not lower for CUDA: {type(e).__name__}: {str(e)[:400]}"]
     cpu = traced.lower().as_text()
@@ -73,7 +83,55 @@ def cuda_problems(traced, *, host_memory: bool = False, gpu_kernel: bool = False
         problems.append(f"no GPU kernel ({kernel}) in the CUDA program")
     if kernels and not gpu_kernel:
         problems.append(f"{kernels} unexpected GPU kernel call(s) ({kernel})")
+    # compiled only where the lowering is clean: XLA:GPU aborts the process on a custom call it
+    # has no implementation of (the native host kernel's), which the lowering check names instead
+    return problems + (compiled_problems(lowered, host_memory=host_memory, gpu_kernel=gpu_kernel)
+                       if not problems else [])
+
+
+# custom calls a compiled GPU program may hold: XLA:GPU's library calls and kernels, and the host
+# computation an offloaded update runs as
+GPU_PROGRAM_CALLS = re.compile(r"^(__cublas\$|__cudnn\$|__gpu\$xla\.gpu\.triton|mosaic_gpu|HostExecute$)")
+_PROGRAM_CALL = re.compile(r'custom_call_target="([^"]+)"')
+
+
+def h100s():
+    from zerojax.tools._gpu import target_devices
+    return target_devices("h100", 8)
+
+
+def gpu_program_problems(compiled, *, host_memory: bool = False, gpu_kernel: bool = False) -> list:
+    """What XLA:GPU's program (``compile_lowered_for``'s, or a ``jax.stages.Compiled``) lacks."""
+    problems = []
+    text = compiled.as_text()
+    host_bytes = getattr(compiled.memory_analysis(), "host_argument_size_in_bytes", 0)
+    if (host_bytes > 0) != host_memory:
+        problems.append(f"GPU program: {host_bytes} bytes of host arguments, but host memory "
+                        + ("is what the plan asks" if host_memory else "where nothing is offloaded"))
+    calls = collections.Counter(_PROGRAM_CALL.findall(text))
+    foreign = sorted(c for c in calls if not GPU_PROGRAM_CALLS.match(c))
+    if foreign:
+        problems.append(f"GPU program: custom calls no GPU runs: {foreign}")
+    kernels = sum(n for c, n in calls.items() if c.startswith(("__gpu$xla.gpu.triton", "mosaic_gpu")))
+    if gpu_kernel != (kernels > 0):
+        problems.append(f"GPU program: {kernels} compiled GPU kernel call(s) where {'one' if gpu_kernel else 'none'} "
+                        "was expected")
+    sync = overlap(text).synchronous
+    if sync:
+        problems.append(f"GPU program: synchronous collectives {sync}")
     return problems
+
+
+def compiled_problems(lowered, **expect) -> list:
+    """Compile a CUDA lowering for 8 H100s and check the program; nothing where JAX's CUDA plugin is
+    not installed."""
+    if cuda_plugin() is None:
+        return []
+    try:
+        compiled = compile_lowered_for(lowered, h100s())
+    except Exception as e:  # noqa: BLE001 - any refusal is the finding
+        return [f"XLA:GPU does not compile it for 8 H100s: {type(e).__name__}: {str(e)[:400]}"]
+    return gpu_program_problems(compiled, **expect)
 
 
 def check_cuda(traced, **expect):
@@ -242,6 +300,41 @@ def test_control_memory_kinds_and_collectives_are_compared():
 
     problems = cuda_problems(jax.jit(total).trace(jnp.zeros(8, jnp.float32)))
     assert any("collectives differ" in p for p in problems), problems
+
+
+needs_plugin = pytest.mark.skipif(cuda_plugin() is None, reason="JAX's CUDA plugin is not installed")
+
+
+@needs_plugin
+def test_control_offloaded_state_in_device_memory_is_flagged_in_the_gpu_program():
+    """The offloaded step compiled over compile-only devices as jit does it: they list no memories,
+    so JAX drops the state's pinned_host kind and the program keeps it in GPU memory."""
+    from tests.helpers import init_params
+    state = zj.abstract_train_state(jax.eval_shape(init_params, jax.random.PRNGKey(0)), adamw(),
+                                    mesh=zj.make_mesh(devices=h100s()),
+                                    config=zj.ZeroConfig(stage=2, offload_optimizer="cpu"))
+    batch = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batches(1)[0])
+    compiled = zj.make_train_step(loss_fn, state).lower(state, batch).compile()
+    problems = gpu_program_problems(compiled, host_memory=True)
+    assert any("0 bytes of host arguments" in p for p in problems), problems
+    # lowered over CPU devices for CUDA, the same step keeps its host arguments
+    assert not cuda_problems(traced_step(stage=2, offload_optimizer="cpu"), host_memory=True)
+
+
+def test_control_synchronous_collectives_and_foreign_calls_are_flagged():
+    class Program:  # a scheduled GPU module as text, with one all-reduce run without a start/done pair
+        def as_text(self):
+            return ('ENTRY %main (a: f32[8]) -> f32[8] {\n'
+                    '  %a = f32[8]{0} parameter(0)\n'
+                    '  %c = f32[8]{0} custom-call(%a), custom_call_target="zerojax_host_adamw"\n'
+                    '  ROOT %r = f32[8]{0} all-reduce(%c), channel_id=1, to_apply=%add\n}\n')
+
+        def memory_analysis(self):
+            return type("Stats", (), {"host_argument_size_in_bytes": 0})()
+
+    problems = gpu_program_problems(Program())
+    assert any("synchronous collectives {'all-reduce': 1}" in p for p in problems), problems
+    assert any("custom calls no GPU runs: ['zerojax_host_adamw']" in p for p in problems), problems
 
 
 @pytest.mark.slow  # more programs of the same engines: combinations the quick tier covers one at a time

@@ -107,6 +107,7 @@ def test_a_newer_target_file_builds_devices_through_the_bridge():
 
 
 @needs_plugin
+@pytest.mark.slow  # two GPT steps through XLA:GPU
 def test_stage3_compiles_for_h100_below_stage0_and_fits():
     s0, s3 = _plan(0), _plan(3, param_persistence_threshold=0)
     for p in (s0, s3):
@@ -119,6 +120,7 @@ def test_stage3_compiles_for_h100_below_stage0_and_fits():
 
 
 @needs_plugin
+@pytest.mark.slow  # two GPT steps through XLA:GPU
 def test_offloaded_optimizer_state_stays_off_the_gpu():
     # bf16 at stage 2 on 8 GPUs keeps 2 bytes a param on the GPU with the state offloaded, 3.5 without
     on_gpu, offloaded = _plan(2, precision="bf16"), _plan(2, precision="bf16", offload_optimizer="cpu")

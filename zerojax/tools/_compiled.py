@@ -59,6 +59,38 @@ def _array_bytes(type_str: str):
     return out
 
 
+def _top_level(type_str: str) -> list:
+    """The elements of an HLO tuple type (``(a, (b, c))`` -> ``["a", "(b, c)"]``); a non-tuple
+    type is its own one element."""
+    t = type_str.strip()
+    if not t.startswith("("):
+        return [t]
+    parts, depth, cur = [], 0, []
+    for ch in t[1:-1]:
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        if ch == "," and depth == 0:
+            parts.append("".join(cur))
+            cur = []
+        else:
+            cur.append(ch)
+    parts.append("".join(cur))
+    return [x.strip() for x in parts if x.strip()]
+
+
+def _async_results(type_str: str, kind: str) -> str:
+    """The part of an async collective's start type that is the collective's result: XLA types an
+    all-gather-, reduce-scatter- or all-to-all-start ``((operands...), (results...))`` (or
+    ``(operand, result)``), a collective-permute-start ``(operand, result, context...)``, and an
+    all-reduce-start as its result."""
+    parts = _top_level(type_str)
+    if kind == "all-reduce" or len(parts) < 2:
+        return type_str
+    return parts[1]
+
+
 def _iota_groups(shape: str, dims: str, perm: Optional[str]):
     """``[G,S]<=[dims]T(perm)``: iota over dims, transposed by perm, reshaped to G x S."""
     ids = np.arange(math.prod(int(d) for d in dims.split(","))).reshape([int(d) for d in dims.split(",")])
@@ -159,9 +191,9 @@ def _parse(hlo: str, node_of=None):
         c = _COLLECTIVE.match(line)
         if c:
             kind = c.group(3)
-            arrays = _array_bytes(c.group(2))
-            if c.group(4):  # async start: (operands, outputs) — the biggest buffer is the payload
-                arrays = [max(arrays)] if arrays else []
+            # an async start carries its operands beside its results: count the results, as for a
+            # synchronous collective (every one of a combined, variadic collective's)
+            arrays = _array_bytes(_async_results(c.group(2), kind) if c.group(4) else c.group(2))
             if kind == "all-reduce":
                 cur.largest_all_reduce = max(cur.largest_all_reduce, max((a[0] for a in arrays), default=0))
             _record(cur.own, kind, line, arrays, node_of)

@@ -362,7 +362,7 @@ def _plan_here(init_fn, loss_fn, batch_spec, axes: Dict[str, int], config: ZeroC
 
 
 _CHILD_FAILED = """\
-plan_step's child process (compiling for {n} devices) failed with exit code {rc}.
+plan_step's child process ({what}) failed with exit code {rc}.
 Its last lines of output:
 {tail}
 If the error is in your model, the same error shows in-process on a smaller device count;
@@ -389,6 +389,8 @@ def _plan_in_child(request: dict, n: int, timeout: Optional[float]) -> StepPlan:
                 "one, a 'package.module:function' string, or zj.Ref('package.module:factory', *args) for "
                 "objects a factory builds (closures such as loss_fn(cfg), optax optimizers)."
             ) from None
+    what = (f"compiling for {n} compile-only {request['target']} GPUs" if request.get("target")
+            else f"simulating {n} CPU devices")
     with tempfile.TemporaryDirectory(prefix="zerojax-plan-") as tmp:
         req, out = os.path.join(tmp, "request.pkl"), os.path.join(tmp, "plan.pkl")
         with open(req, "wb") as f:
@@ -399,11 +401,11 @@ def _plan_in_child(request: dict, n: int, timeout: Optional[float]) -> StepPlan:
                                   text=True, timeout=timeout)
         except subprocess.TimeoutExpired as e:
             tail = ((e.stderr or b"").decode() if isinstance(e.stderr, bytes) else (e.stderr or ""))[-_STDERR_TAIL:]
-            raise ZeroJaxError(f"plan_step's child process (compiling for {n} devices) ran past timeout={timeout}s."
+            raise ZeroJaxError(f"plan_step's child process ({what}) ran past timeout={timeout}s."
                                f"\n{tail}") from None
         if proc.returncode != 0 or not os.path.exists(out):
             tail = (proc.stderr or proc.stdout or "(no output)")[-_STDERR_TAIL:]
-            raise ZeroJaxError(_CHILD_FAILED.format(n=n, rc=proc.returncode, tail=tail))
+            raise ZeroJaxError(_CHILD_FAILED.format(what=what, rc=proc.returncode, tail=tail))
         with open(out, "rb") as f:
             fields = pickle.load(f)
     if isinstance(fields.get("comm"), dict):  # dataclasses.asdict flattened it for the trip

@@ -5,7 +5,9 @@
 3. optimizer offload against the same step on the device;
 4. the stage ratios of benchmarks/vs_plain_jax.py (zerojax stages 0-3 against plain-jit DDP and
    GSPMD FSDP) on one device-sized GPT shape;
-5. the compiled per-device peak of stage 3 against stage 0;
+5. the compiled per-device peak of stage 3 against stage 0, each beside what zj.plan_step(target=...)
+   predicts for this GPU (XLA:GPU compiling for compile-only devices of its kind, on this machine's
+   CPU): how far the planner's view is from the real one;
 6. whether this JAX's partitioner (Shardy) compiles an all-gather of many operands, on 8
    simulated CPU devices (benchmarks/variadic_gather.py: stages 1-2 would gather each bucket
    with one, without a copy kernel per leaf shape).
@@ -18,6 +20,7 @@ the others still run. On a single GPU the stage ratios compare one-device progra
 collectives are no-ops there, so they show the cost of zerojax's step around the same math.
 """
 import argparse
+import functools
 import os
 import sys
 import time
@@ -103,9 +106,25 @@ def stage_ratios(shape_args):
     vs_plain_jax.optimizer_bound_case(shape_args)
 
 
+def planner_target():
+    """The zj.plan_step target for this machine's GPU (None on a CPU or an unknown GPU, or without
+    the CUDA plugin, which a GPU install has)."""
+    from zerojax._compat import cuda_plugin
+    from zerojax.tools._gpu import TARGETS
+
+    dev = jax.devices()[0]
+    if dev.platform != "gpu" or cuda_plugin() is None:
+        return None
+    return next((name for name in TARGETS if name.upper() in dev.device_kind.upper()), None)
+
+
 def stage3_peak(cfg, batch):
     print(f"\n5. compiled per-device peak, GPT {cfg.n_params / 1e6:.0f}M params, fp32")
-    peaks = {}
+    target = planner_target()
+    print(f"  beside each: zj.plan_step(target={target!r})'s peak, compiled by XLA:GPU without this GPU"
+          if target else "  (the planner's prediction needs a known GPU: none here)")
+    peaks, predicted = {}, {}
+    shapes = {"tokens": jax.ShapeDtypeStruct(batch["tokens"].shape, batch["tokens"].dtype)}
     # stage 3 at DeepSpeed's default max_reuse_distance (kept gathered from forward to backward)
     # and lean (max_reuse_distance 0: gathered again for the backward pass); the goal is the lean one's
     for key, stage, extra in ((0, 0, {}), (3, 3, {}), ("lean", 3, {"max_reuse_distance": 0})):
@@ -113,10 +132,17 @@ def stage3_peak(cfg, batch):
         state = zj.abstract_train_state(lambda k: init_params(cfg, k), optax.adamw(1e-4), config=config)
         step = zj.make_train_step(loss_fn(cfg), state)
         peaks[key] = zj.peak_memory(step, state, batch).peak
-    line("stage 0 peak (MiB)", peaks[0] / 2**20)
-    line("stage 3 peak (MiB)", peaks[3] / 2**20)
-    line("stage 3 lean peak (MiB)", peaks["lean"] / 2**20)
+        if target:
+            predicted[key] = zj.plan_step(functools.partial(init_params, cfg), zj.Ref("zerojax.models.gpt:loss_fn", cfg),
+                                          shapes, devices=len(jax.devices()), config=config,
+                                          tx=zj.Ref("optax:adamw", 1e-4), target=target).peak_bytes
+    for key, name in ((0, "stage 0 peak (MiB)"), (3, "stage 3 peak (MiB)"), ("lean", "stage 3 lean peak (MiB)")):
+        line(name, peaks[key] / 2**20)
+        if key in predicted:
+            line(f"  planned / measured ({predicted[key] / 2**20:.1f} MiB planned)", predicted[key] / peaks[key])
     line("stage 3 lean / stage 0", peaks["lean"] / peaks[0], 0.20)
+    if predicted:
+        line("  planned: stage 3 lean / stage 0", predicted["lean"] / predicted[0], 0.20)
 
 
 def variadic_all_gather():

@@ -17,7 +17,7 @@ matrices too) is gathered slice by slice: whole against sliced gathers, side by 
 
     python benchmarks/peak_memory.py [--layers 12] [--seq 128] [--optimizer sgd]
     python benchmarks/peak_memory.py --layers 2 --d 96 --vocab 1000 --seq 16 --no-scan   # tiny
-    python benchmarks/peak_memory.py --shape findings [--breakdown]
+    python benchmarks/peak_memory.py --shape findings [--breakdown] [--target h100]
 
 ``--shape findings``: 12 layers, d 256, 4 heads, vocab 8192, context 64, 32 tokens a device (batch
 8 x 33), every param partitioned (``param_persistence_threshold=0``), the auto bucket; stage 0,
@@ -39,12 +39,15 @@ if "--breakdown" in sys.argv:
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={DUMP} --xla_dump_hlo_as_text"
                                " --xla_dump_hlo_module_re=jit_train_step").strip()
 simulate_devices(8)
+if "--target" in sys.argv:  # compiling for compile-only GPUs in this process: JAX on the CPU only
+    os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import zerojax as zj  # noqa: E402
+from zerojax.tools._compiled import PeakMemory  # noqa: E402
 from zerojax.models.gpt import GPTConfig, init_params, loss_fn  # noqa: E402
 
 
@@ -60,9 +63,11 @@ def main():
     ap.add_argument("--optimizer", default="adamw", choices=("adamw", "sgd"))
     ap.add_argument("--shape", choices=("findings",), help="a named shape (see above)")
     ap.add_argument("--breakdown", action="store_true", help="what is alive at each stage-3 peak")
+    ap.add_argument("--target", default=None, help="with --shape findings: compile with XLA's GPU compiler for 8 "
+                    "compile-only GPUs of this kind (h100, h200, a100; needs JAX's CUDA plugin)")
     args = ap.parse_args()
     if args.shape == "findings":
-        return findings(args.breakdown)
+        return findings(args.breakdown, args.target)
     mesh = zj.make_mesh()
     n = mesh.shape["data"]
     mib = 2**20
@@ -109,8 +114,12 @@ def main():
               f"{bucket:,}) {peaks['3 sliced'].peak / peaks[0].peak:.3f}x\n")
 
 
-def findings(show_breakdown: bool):
-    """Stage 0 against stage 3 (default distance, distance 0) on FINDINGS' 12-layer d 256 GPT."""
+def findings(show_breakdown: bool, target=None):
+    """Stage 0 against stage 3 (default distance, distance 0) on FINDINGS' 12-layer d 256 GPT;
+    with ``target``, compiled by XLA:GPU for 8 compile-only GPUs of that kind (zj.plan_step), once
+    with DeepSpeed's default reduce bucket and once with Hugging Face's "auto" one (d^2)."""
+    import functools
+
     import _live
 
     mesh = zj.make_mesh()
@@ -118,17 +127,29 @@ def findings(show_breakdown: bool):
     mb, d = 1e6, 256
     tx = optax.adamw(1e-4)
     bucket = int(0.9 * d**2)
-    for scan in (False, True):
+    reduce_buckets = (None,) if target is None else (None, d * d)
+    for scan, reduce_bucket in ((s, r) for s in (False, True) for r in reduce_buckets):
         cfg = GPTConfig(vocab=8192, n_layer=12, d_model=d, n_head=4, seq_len=64, scan=scan)
         batch = {"tokens": jax.ShapeDtypeStruct((n, 33), np.int32)}
+        where = f"XLA:GPU for 8 compile-only {target} GPUs" if target else f"{n} devices"
+        rb = {} if reduce_bucket is None else {"reduce_bucket_size": reduce_bucket}
         print(f"GPT {cfg.n_params / 1e6:.1f}M params, {'lax.scan' if scan else 'Python loop'}, adamw fp32, "
-              f"param_persistence_threshold 0, bucket {bucket:,}, {n} devices, 32 tokens per device")
+              f"param_persistence_threshold 0, prefetch bucket {bucket:,}, reduce bucket "
+              f"{reduce_bucket or 'default (5e8)'}, {where}, 32 tokens per device")
         print(f"{'stage':>8} {'peak MB':>8} {'vs stage 0':>10} {'arguments MB':>13} {'temporaries MB':>15}")
         peaks = {}
         for stage in (0, 3, "3 lean"):
             extra = {"max_reuse_distance": 0} if stage == "3 lean" else {}
             config = zj.ZeroConfig(stage=3 if extra else stage, prefetch_bucket_size=bucket,
-                                   param_persistence_threshold=0, **extra)
+                                   param_persistence_threshold=0, **extra, **rb)
+            if target:
+                p = zj.plan_step(functools.partial(init_params, cfg), loss_fn(cfg), batch, devices=n, config=config,
+                                 tx=tx, target=target)
+                peak = peaks[stage] = PeakMemory(p.argument_bytes, p.output_bytes, p.temp_bytes, p.alias_bytes)
+                print(f"{str(stage):>8} {peak.peak / mb:>8.1f} {peak.peak / peaks[0].peak:>9.3f}x "
+                      f"{peak.argument / mb:>13.1f} {peak.temp / mb:>15.1f}   {p.overlapped[0]} of "
+                      f"{p.overlapped[1]} async collectives overlap compute", flush=True)
+                continue
             state = zj.abstract_train_state(lambda k: init_params(cfg, k), tx, mesh=mesh, config=config)
             step = zj.make_train_step(loss_fn(cfg), state)
             peak = peaks[stage] = zj.peak_memory(step, state, batch)

@@ -73,3 +73,16 @@ def test_bigger_than_memory_smoke_trains_and_prints_the_disk_figures():
     assert "(falling)" in out, out
     for figure in ("on disk", "disk: write", "per step: read", "x (bytes / bandwidth + compute)", "peak RSS during the steps"):
         assert figure in out, f"{figure!r} missing from:\n{out}"
+
+
+def test_gpu_plan_smoke_compiles_every_row_for_h100s():
+    import pytest
+
+    from zerojax._compat import cuda_plugin
+    if cuda_plugin() is None:
+        pytest.skip("JAX's CUDA plugin is not installed (docs/gpu-plan.md)")
+    out = run("gpu_plan.py", "--smoke")
+    for name in ("stage 0 bf16", "stage 3 bf16", "stage 3 fp32", "plain FSDP fp32"):
+        rows = [line for line in out.splitlines() if line.strip().startswith(name)]
+        assert len(rows) == 1 and " fits " in rows[0], out
+    assert "stage 3 / stage 0 peak (bf16)" in out and "NVIDIA H100 SXM 80 GB" in out, out

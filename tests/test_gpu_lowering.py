@@ -186,6 +186,15 @@ def test_optimizer_offload_keeps_host_memory_and_no_cpu_only_kernel():
     assert '_xla_compute_type = "host"' in text  # the update runs on the host, in the same program
 
 
+def test_nvme_optimizer_offload_device_program_lowers_for_cuda(tmp_path):
+    """With the optimizer state on NVMe the device program is the gradients' (the update runs on
+    the host, from the files): no host memory, no CPU-only call in it."""
+    state = zj.shard_train_state(init_params(jax.random.PRNGKey(0)), adamw(),
+                                 config=zj.ZeroConfig(stage=2, offload_optimizer="nvme", nvme_path=str(tmp_path)))
+    with zj.make_train_step(loss_fn, state) as step:
+        check_cuda(step.trace(state, batches(1)[0]))
+
+
 def test_fused_adam_step_holds_the_gpu_kernel():
     skip_without_gpu_kernel_lowering()
     traced = traced_step(fused_adam=True, stage=2, precision="bf16")

@@ -167,6 +167,16 @@ def _run_plan_step(args: argparse.Namespace) -> int:
     paper = zero_paper_bytes(cfg.n_params, args.devices, args.stage, args.precision, include_grads=False)
     print(f"  ZeRO paper, stored    {paper / 2**30:.2f} GiB (params + optimizer states; planned / paper = "
           f"{plan.stored_bytes / paper:.3f})")
+    if args.fsdp:
+        try:
+            fsdp = plan_step(init_fn, loss_fn, batch, devices=args.devices, config=config,
+                             tx=Ref("optax:adamw", 1e-4), target=args.target, plain="fsdp")
+        except (RuntimeError, ZeroJaxError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        print(fsdp)
+        print(f"  zerojax / plain FSDP  peak {plan.peak_bytes / fsdp.peak_bytes:.3f}x, stored "
+              f"{plan.stored_bytes / fsdp.stored_bytes:.3f}x (FSDP in the params' dtype, fp32)")
     return 0
 
 
@@ -176,6 +186,8 @@ def _add_plan_step(sub) -> None:
     p.add_argument("--model", required=True, choices=sorted(gpt_sizes()))
     p.add_argument("--devices", "--gpus", dest="devices", type=_positive_int, required=True,
                    help="data-parallel devices N")
+    p.add_argument("--fsdp", action="store_true",
+                   help="also plan GSPMD's plain FSDP of the same model (fp32 params), side by side")
     p.add_argument("--target", default=None, choices=sorted(TARGETS),
                    help="compile with XLA's GPU compiler for N GPUs of this kind (needs JAX's CUDA plugin, "
                         "no GPU): adds fits-or-not, overlap and a roofline step time")

@@ -523,7 +523,7 @@ class CompiledFor:
         return None  # cost_analysis() below reads the module with XLA's HloCostAnalysis
 
 
-def compile_lowered_for(lowered, devices) -> CompiledFor:
+def compile_lowered_for(lowered, devices, options=None) -> CompiledFor:
     """Compile ``lowered`` (a ``jax.stages.Lowered`` of an SPMD program over ``len(devices)``
     devices, lowered for their platform) for ``devices``, compile-only devices of a GPU
     topology, in the order of the mesh it was lowered over.
@@ -531,14 +531,16 @@ def compile_lowered_for(lowered, devices) -> CompiledFor:
     A step over compile-only devices cannot carry memory kinds (they list no memories, so JAX
     drops ``pinned_host`` from its shardings and the offloaded state lands in device memory);
     lowered over the same mesh of CPU devices for ``lowering_platforms=("cuda",)`` it keeps
-    them, and this compiles that module with the GPU topology's compiler."""
+    them, and this compiles that module with the GPU topology's compiler. ``options``: XLA
+    options by name, as ``jax.jit(compiler_options=...)`` takes them."""
     from jax._src import compiler
     from jax._src.lib import xla_client as xc
 
     n = len(devices)
-    options = compiler.get_compile_options(num_replicas=1, num_partitions=n,
-                                           device_assignment=np.array(devices).reshape(1, n))
+    compile_options = compiler.get_compile_options(num_replicas=1, num_partitions=n,
+                                                   device_assignment=np.array(devices).reshape(1, n),
+                                                   env_options_overrides=dict(options or {}))
     executable = devices[0].client.compile(lowered.compiler_ir("stablehlo"),
                                            executable_devices=xc.DeviceList(tuple(devices)),
-                                           compile_options=options)
+                                           compile_options=compile_options)
     return CompiledFor(executable)

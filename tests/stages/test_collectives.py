@@ -255,8 +255,23 @@ def test_overlap_comm_maps_to_asynchronous_collectives_on_gpu():
     forced = zj.ZeroPlan.create(shapes, mesh, zj.ZeroConfig(stage=1, overlap_comm=True))
     assert compiler_options(stage3, "gpu")["xla_gpu_enable_pipelined_all_gather"] is True
     assert compiler_options(forced, "gpu")["xla_gpu_enable_latency_hiding_scheduler"] is True
-    assert compiler_options(stage1, "gpu") is None
+    assert "xla_gpu_enable_latency_hiding_scheduler" not in compiler_options(stage1, "gpu")
     assert compiler_options(stage3, "cpu") is None  # collectives are synchronous on the CPU
+
+
+def test_gpu_collective_combiners_are_bounded_by_the_config_buckets():
+    """XLA:GPU would merge the step's bucketed collectives up to its own thresholds: each is the
+    config's bucket (elements, priced at 4 bytes) on every GPU step, overlap or not."""
+    from zerojax.stages._device_step import compiler_options
+
+    shapes = {"w": jax.ShapeDtypeStruct((64, 64), jnp.float32)}
+    mesh = zj.make_mesh()
+    for stage, gather_key in ((1, "allgather_bucket_size"), (3, "prefetch_bucket_size")):
+        config = zj.ZeroConfig(stage=stage, reduce_bucket_size=65536, **{gather_key: 58982})
+        options = compiler_options(zj.ZeroPlan.create(shapes, mesh, config), "gpu")
+        assert options["xla_gpu_reduce_scatter_combine_threshold_bytes"] == 4 * 65536
+        assert options["xla_gpu_all_reduce_combine_threshold_bytes"] == 4 * 65536
+        assert options["xla_gpu_all_gather_combine_threshold_bytes"] == 4 * 58982
 
 
 # --------------------------------------------------- stage 3: tables larger than one fetch

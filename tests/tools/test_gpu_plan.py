@@ -22,9 +22,9 @@ SMALL_GPT = gpt.GPTConfig(vocab=512, n_layer=2, d_model=64, n_head=4, seq_len=16
 BATCH = {"tokens": jax.ShapeDtypeStruct((8, SMALL_GPT.seq_len + 1), jnp.int32)}
 
 
-def _plan(stage, target="h100", **config):
+def _plan(stage, target="h100", plain=None, **config):
     return plan_step(functools.partial(gpt.init_params, SMALL_GPT), Ref("zerojax.models.gpt:loss_fn", SMALL_GPT),
-                     BATCH, devices=8, config=zj.ZeroConfig(stage=stage, **config), target=target)
+                     BATCH, devices=8, config=zj.ZeroConfig(stage=stage, **config), target=target, plain=plain)
 
 
 def test_an_unknown_target_is_refused_with_the_choices():
@@ -128,3 +128,17 @@ def test_offloaded_optimizer_state_stays_off_the_gpu():
     assert offloaded.host_argument_bytes >= offloaded.stored_host_bytes > 0 and on_gpu.host_argument_bytes == 0
     # the native CPU kernel never reaches a GPU program: the host update runs as the GPU's host computation
     assert native.TARGET not in offloaded.custom_calls and offloaded.custom_calls, offloaded.custom_calls
+
+
+def test_plain_fsdp_plans_the_same_model_split_on_its_largest_dims():
+    plain = _plan(3, target=None, plain="fsdp")
+    s3 = _plan(3, target=None, param_persistence_threshold=0)
+    assert plain.label == "plain GSPMD FSDP" and "plain GSPMD FSDP" in str(plain)
+    assert plain.n_params == s3.n_params == SMALL_GPT.n_params
+    # params and AdamW's two moments, split 8 ways (a few small leaves stay whole)
+    assert 12 * SMALL_GPT.n_params / 8 <= plain.stored_bytes < 12 * SMALL_GPT.n_params / 4
+    assert plain.collectives["all-gather"][0] > 0 and plain.collective_elements > 0
+    assert _planning.fsdp_spec((4, 64, 256), 8, "data") == jax.sharding.PartitionSpec(None, None, "data")
+    assert _planning.fsdp_spec((3, 5), 8, "data") == jax.sharding.PartitionSpec()
+    with pytest.raises(zj.ConfigError, match="plain='ddp'"):
+        _plan(3, target=None, plain="ddp")

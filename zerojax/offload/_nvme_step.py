@@ -179,6 +179,12 @@ class HostLoopStep(StepBase):
         self._check(state, batch)
         return self._device.lower(self._params_in(state), batch, jax.random.fold_in(state.rng, state.step))
 
+    def trace(self, state: TrainState, batch):
+        """The jax Traced of the device part: ``.lower(lowering_platforms=("cuda",))`` lowers it for
+        another platform than this machine's."""
+        self._check(state, batch)
+        return self._device.trace(self._params_in(state), batch, jax.random.fold_in(state.rng, state.step))
+
     def __call__(self, state: TrainState, batch):
         self._check(state, batch)
         rng = jax.random.fold_in(state.rng, state.step)

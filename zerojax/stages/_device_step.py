@@ -190,11 +190,30 @@ OVERLAP_OPTIONS = {
 }
 
 
+def combine_thresholds(plan: ZeroPlan) -> dict:
+    """XLA:GPU's combiners merge independent collectives of a kind up to a threshold of their own
+    (tens of MB by default), which undoes the step's buckets: at stage 3 the reduce-scatters of a
+    backward pass became one at its end, holding every layer's gradient until then. Each combiner
+    is bounded by the bucket the config gives it, in bytes of fp32 elements (DeepSpeed's bucket
+    sizes count elements): ``reduce_bucket_size`` for reduce-scatters and all-reduces,
+    ``prefetch_bucket_size`` (stage 3) or ``allgather_bucket_size`` for all-gathers."""
+    c = plan.config
+    gather = c.prefetch_bucket_size if c.stage == 3 else c.allgather_bucket_size
+    return {"xla_gpu_reduce_scatter_combine_threshold_bytes": 4 * int(c.reduce_bucket_size),
+            "xla_gpu_all_reduce_combine_threshold_bytes": 4 * int(c.reduce_bucket_size),
+            "xla_gpu_all_gather_combine_threshold_bytes": 4 * int(gather)}
+
+
 def compiler_options(plan: ZeroPlan, platform: str):
-    """XLA options for ``overlap_comm`` on ``platform`` (None where collectives are synchronous)."""
-    if not plan.config.overlap:
+    """XLA options for ``platform``'s step (None where there are none): on a GPU, the collective
+    combiners bounded by the config's buckets (:func:`combine_thresholds`) and, with
+    ``overlap_comm``, the options that overlap collectives with compute."""
+    if platform not in ("gpu", "cuda", "rocm"):
         return None
-    return OVERLAP_OPTIONS.get(platform)
+    options = combine_thresholds(plan)
+    if plan.config.overlap:
+        options.update(OVERLAP_OPTIONS["gpu"])
+    return options
 
 
 def build_device_step(loss_fn: Callable, state: TrainState, *, has_aux: bool = False, donate: bool = True,

@@ -61,6 +61,7 @@ from zerojax.tools._compiled import (
     overlap,
     theory_elements,
 )
+from zerojax.stages._device_step import compiler_options
 from zerojax.tools._gpu import can_compile_here, gpu_target, missing_plugin, target_devices
 from zerojax.tools._estimate import estimate
 
@@ -163,6 +164,7 @@ class StepPlan:
     subprocess: bool
     platform: str = "cpu"
     comm: Optional[CommReport] = None  # the collectives in full: per span (inside / across nodes), re-priceable
+    label: str = "zerojax"  # or "plain GSPMD FSDP" (plan_step(plain="fsdp"))
     # compiled for a GPU (target=...): the GPU, its memory and peaks, and what XLA:GPU scheduled
     target: Optional[str] = None
     gpu_memory_bytes: int = 0
@@ -232,7 +234,8 @@ class StepPlan:
         ratio = self.collective_elements / self.theory_elements if self.theory_elements else float("nan")
         count = f"{self.n_params / 1e9:.2f}B" if self.n_params >= 1e9 else f"{self.n_params / 1e6:.2f}M"
         return "\n".join([
-            f"step plan: {count} params on {self.devices} devices ({mesh}), compiled {where} in "
+            f"step plan{'' if self.label == 'zerojax' else ' (' + self.label + ')'}: {count} params on "
+            f"{self.devices} devices ({mesh}), compiled {where} in "
             f"{self.seconds:.1f}s (lower {self.lower_seconds:.1f}s, compile {self.compile_seconds:.1f}s)",
             f"  peak per device       {_size(self.peak_bytes)} = arguments {_size(self.argument_bytes)}"
             f" + outputs {_size(self.output_bytes)} + temporaries {_size(self.temp_bytes)}"
@@ -302,8 +305,56 @@ def _is_shape_pair(x) -> bool:
     return isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], str) and isinstance(x[0], tuple)
 
 
+def fsdp_spec(shape, n: int, axis: str):
+    """Plain FSDP's split of one leaf: along its largest dimension that ``n`` divides, never the
+    leading (layer) axis of a stacked leaf, which GSPMD would gather whole for a ``lax.scan``;
+    replicated where none divides."""
+    from jax.sharding import PartitionSpec as P
+
+    dims = [d for d in sorted(range(len(shape)), key=lambda d: -shape[d])
+            if shape[d] % n == 0 and shape[d] >= n and not (len(shape) >= 3 and d == 0)]
+    if not dims:
+        return P()
+    spec = [None] * len(shape)
+    spec[dims[0]] = axis
+    return P(*spec)
+
+
+def _plain_fsdp_step(shapes, loss_fn, tx, mesh, axis: str, batch, has_aux: bool):
+    """GSPMD's FSDP of the same model, as a JAX user writes it: params and optimizer state split
+    by :func:`fsdp_spec`, one ``jax.jit`` of grad, update and apply. -> (traced step, stored
+    bytes per device)."""
+    import optax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    n = mesh.shape[axis]
+
+    def sharded(tree):
+        sh = jax.tree_util.tree_map(
+            lambda x: NamedSharding(mesh, fsdp_spec(x.shape, n, axis) if x.ndim else P()), tree)
+        return sh, jax.tree_util.tree_map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, sh)
+
+    opt_shapes = jax.eval_shape(tx.init, shapes)
+    (p_sh, p_args), (o_sh, o_args) = sharded(shapes), sharded(opt_shapes)
+    b_sh = NamedSharding(mesh, P(axis))
+    b_args = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=b_sh), batch)
+
+    def step(params, opt_state, b):
+        value, grads = jax.value_and_grad(loss_fn, has_aux=has_aux)(params, b)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    jitted = jax.jit(step, in_shardings=(p_sh, o_sh, b_sh), donate_argnums=(0, 1),
+                     out_shardings=(p_sh, o_sh, NamedSharding(mesh, P())))
+    stored = sum(math.prod(s.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
+                 for tree, sh in ((p_args, p_sh), (o_args, o_sh))
+                 for x, s in zip(jax.tree_util.tree_leaves(tree), jax.tree_util.tree_leaves(sh)))
+    return jitted.trace(p_args, o_args, b_args), int(stored)
+
+
 def _plan_here(init_fn, loss_fn, batch_spec, axes: Dict[str, int], config: ZeroConfig, tx, param_specs,
-               has_aux: bool, subprocess_: bool, target: Optional[str] = None) -> StepPlan:
+               has_aux: bool, subprocess_: bool, target: Optional[str] = None, plain: Optional[str] = None) -> StepPlan:
     """Compile on this process's first prod(axes) devices, or for prod(axes) compile-only GPUs
     of ``target``."""
     import optax
@@ -316,16 +367,23 @@ def _plan_here(init_fn, loss_fn, batch_spec, axes: Dict[str, int], config: ZeroC
     shapes = jax.eval_shape(init_fn, jax.random.PRNGKey(0)) if callable(init_fn) else init_fn
     t0 = time.perf_counter()
     state = abstract_train_state(shapes, tx, mesh=mesh, config=config, param_specs=param_specs)
-    step = make_train_step(loss_fn, state, has_aux=has_aux)
     batch = jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(s[0], np.dtype(s[1])), batch_spec,
                                    is_leaf=_is_shape_pair)
+    if plain == "fsdp":
+        traced, plain_stored = _plain_fsdp_step(shapes, loss_fn, tx, mesh, config.data_axis, batch, has_aux)
+        options = {}
+    elif plain is not None:
+        raise ConfigError(f"plain={plain!r}: the plain baseline plan_step builds is 'fsdp' (GSPMD's FSDP)")
+    else:
+        step = make_train_step(loss_fn, state, has_aux=has_aux)
+        traced, options = step.trace(state, batch), compiler_options(state.plan, "gpu")
     if target:
-        lowered = step.trace(state, batch).lower(lowering_platforms=("cuda",))
+        lowered = traced.lower(lowering_platforms=("cuda",))
         gpus = np.array(target_devices(target, mesh.devices.size)).reshape(mesh.devices.shape)
         t1 = time.perf_counter()
-        compiled = compile_lowered_for(lowered, list(gpus.flat))
+        compiled = compile_lowered_for(lowered, list(gpus.flat), options)
     else:
-        lowered = step.lower(state, batch)
+        lowered = traced.lower()
         t1 = time.perf_counter()
         compiled = lowered.compile()
     t2 = time.perf_counter()
@@ -334,10 +392,12 @@ def _plan_here(init_fn, loss_fn, batch_spec, axes: Dict[str, int], config: ZeroC
                       m.alias_size_in_bytes)
     k = node_size(state.plan)
     comm = collectives(compiled.as_text(), node_map(mesh, config.data_axis, k), k)
-    theory, label = theory_elements(state.plan, config.gradient_accumulation_steps)
+    theory, label = (theory_elements(state.plan, config.gradient_accumulation_steps) if not plain
+                     else (3.0 * sum(lay.size for lay in state.plan.leaves), "3Ψ"))  # gathered twice, reduced once
     comm.theory_elements, comm.theory_label = theory, label
     stored = estimate(shapes, mesh, config, tx, param_specs=param_specs)
     host = max((stored.max_bytes(k) for k in stored.kinds if k != "device"), default=0)
+    stored_device = plain_stored if plain else int(stored.max_bytes("device"))
     gpu = {}
     if target:
         t, cost, sched = gpu_target(target), cost_analysis(compiled), overlap(compiled.as_text())
@@ -353,11 +413,12 @@ def _plan_here(init_fn, loss_fn, batch_spec, axes: Dict[str, int], config: ZeroC
         n_params=sum(lay.size for lay in state.plan.leaves),
         peak_bytes=int(peak.peak), argument_bytes=int(peak.argument), output_bytes=int(peak.output),
         temp_bytes=int(peak.temp), alias_bytes=int(peak.alias),
-        stored_bytes=int(stored.max_bytes("device")), stored_host_bytes=int(host),
+        stored_bytes=stored_device, stored_host_bytes=0 if plain else int(host),
         collective_bytes=int(comm.total_bytes), collective_elements=int(comm.total_elements),
         theory_elements=float(theory), collectives={k: tuple(int(x) for x in v) for k, v in comm.kinds.items()},
         lower_seconds=t1 - t0, compile_seconds=t2 - t1, subprocess=subprocess_,
-        platform="cuda" if target else mesh.devices.flat[0].platform, comm=comm, **gpu,
+        platform="cuda" if target else mesh.devices.flat[0].platform, comm=comm,
+        label="plain GSPMD FSDP" if plain else "zerojax", **gpu,
     )
 
 
@@ -420,7 +481,7 @@ def _child_main(request_path: str, out_path: str) -> None:
     if not r.get("target") and len(jax.devices()) < n:  # pragma: no cover - the parent set the device count
         raise ZeroJaxError(f"child has {len(jax.devices())} devices, needs {n}; XLA_FLAGS={os.environ.get('XLA_FLAGS')}")
     plan = _plan_here(r["init_fn"], r["loss_fn"], r["batch"], r["axes"], r["config"], r["tx"], r["param_specs"],
-                      r["has_aux"], True, r.get("target"))
+                      r["has_aux"], True, r.get("target"), r.get("plain"))
     with open(out_path, "wb") as f:
         pickle.dump(dataclasses.asdict(plan), f)
 
@@ -438,6 +499,7 @@ def plan_step(
     has_aux: bool = False,
     timeout: Optional[float] = None,
     target: Optional[str] = None,
+    plain: Optional[str] = None,
 ) -> StepPlan:
     """Compile the ZeRO train step for ``devices`` devices from shapes and report what it needs.
 
@@ -459,6 +521,11 @@ def plan_step(
     the plan adds the scheduled collectives' overlap and a roofline estimate of the step time.
     This needs JAX's CUDA plugin; a process whose JAX platforms are not cpu-only compiles in a
     child process (with the same rules for what can be sent there).
+
+    ``plain="fsdp"`` plans GSPMD's FSDP of the same model instead (a plain ``jax.jit`` step with
+    params and optimizer state split along each leaf's largest dimension the device count
+    divides, :func:`fsdp_spec`), for the same figures side by side; ``config`` then only names
+    the data axis.
     """
     config = ZeroConfig() if config is None else config
     if not isinstance(config, ZeroConfig):
@@ -469,15 +536,15 @@ def plan_step(
     if target is not None:
         target = gpu_target(target).name
         if can_compile_here() and len(jax.devices("cpu")) >= n:
-            return _plan_here(init_fn, loss_fn, batch, axes, config, tx, param_specs, has_aux, False, target)
+            return _plan_here(init_fn, loss_fn, batch, axes, config, tx, param_specs, has_aux, False, target, plain)
         if cuda_plugin() is None:  # say so here, not from a child
             raise missing_plugin(target)
     elif len(jax.devices()) >= n:
-        return _plan_here(init_fn, loss_fn, batch, axes, config, tx, param_specs, has_aux, False)
+        return _plan_here(init_fn, loss_fn, batch, axes, config, tx, param_specs, has_aux, False, None, plain)
     if not callable(init_fn) and not isinstance(init_fn, (str, Ref)):
         init_fn = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(tuple(x.shape), np.dtype(x.dtype)), init_fn)
     request = {"init_fn": init_fn, "loss_fn": loss_fn, "batch": batch, "axes": axes, "config": config, "tx": tx,
-               "param_specs": param_specs, "has_aux": has_aux, "target": target}
+               "param_specs": param_specs, "has_aux": has_aux, "target": target, "plain": plain}
     return _plan_in_child(request, n, timeout)
 
 

@@ -62,7 +62,7 @@ from zerojax.tools._compiled import (
     theory_elements,
 )
 from zerojax.stages._device_step import compiler_options
-from zerojax.tools._gpu import can_compile_here, gpu_target, missing_plugin, target_devices
+from zerojax.tools._gpu import GPUS_PER_HOST, can_compile_here, gpu_target, missing_plugin, target_devices
 from zerojax.tools._estimate import estimate
 
 _STDERR_TAIL = 4000
@@ -391,6 +391,9 @@ def _plan_here(init_fn, loss_fn, batch_spec, axes: Dict[str, int], config: ZeroC
     peak = PeakMemory(m.argument_size_in_bytes, m.output_size_in_bytes, m.temp_size_in_bytes,
                       m.alias_size_in_bytes)
     k = node_size(state.plan)
+    if target and not config.devices_per_node and config.hpz_partition_size <= 1:
+        # the target's GPUs sit in nodes of 8: its data-axis devices per node, the other axes inside
+        k = max(1, min(state.plan.n, GPUS_PER_HOST * state.plan.n // mesh.devices.size))
     comm = collectives(compiled.as_text(), node_map(mesh, config.data_axis, k), k)
     theory, label = (theory_elements(state.plan, config.gradient_accumulation_steps) if not plain
                      else (3.0 * sum(lay.size for lay in state.plan.leaves), "3Ψ"))  # gathered twice, reduced once

@@ -3,11 +3,13 @@
 For each model and GPU count: zerojax's step at stages 0-3 (bf16, AdamW, one sequence per GPU)
 and, beside stage 3 in fp32, GSPMD's plain FSDP of the same model (fp32), each compiled with
 ``zj.plan_step(..., target=...)`` for N compile-only GPUs: the per-GPU peak against the GPU's
-memory (fits or not), the asynchronous collectives with compute before their done, the roofline
-step time and the compile time.
+memory (fits or not), the asynchronous collectives with compute before their done (all of them,
+and ZeRO's all-gathers and reduce-scatters alone: AG+RS), the roofline step time and the compile
+time.
 
     python benchmarks/gpu_plan.py                                  # 1.3B/7B/70B on 8/64/512 H100s
     python benchmarks/gpu_plan.py --models gpt-1.3b --gpus 8 --target h200
+    python benchmarks/gpu_plan.py --models gpt-1.3b --gpus 8 --remat     # with activation checkpointing
     python benchmarks/gpu_plan.py --smoke                          # tiny, 8 GPUs (the suite runs it)
 
 Needs JAX's CUDA plugin (docs/gpu-plan.md); each plan compiles in a child process simulating N
@@ -31,10 +33,11 @@ from zerojax.tools._gpu import gpu_target  # noqa: E402
 from zerojax.tools._planning import Ref, gpt_sizes, named_gpt  # noqa: E402
 
 
-def plan(model, gpus, stage, precision, target, seq_len, plain=None):
+def plan(model, gpus, stage, precision, target, seq_len, plain=None, remat=False):
     cfg, init_fn, loss_fn = named_gpt(model, seq_len) if model in gpt_sizes() else model
     batch = {"tokens": jax.ShapeDtypeStruct((gpus, cfg.seq_len + 1), jnp.int32)}
-    config = zj.ZeroConfig(stage=stage, precision=precision)
+    extra = {"activation_checkpointing": {"cpu_checkpointing": False}} if remat else {}
+    config = zj.ZeroConfig(stage=stage, precision=precision, **extra)
     return zj.plan_step(init_fn, loss_fn, batch, devices=gpus, config=config, tx=Ref("optax:adamw", 1e-4),
                         target=target, plain=plain)
 
@@ -43,8 +46,11 @@ def row(name, p):
     gib = 2**30
     done, starts = p.overlapped
     verdict = "fits" if p.fits else "NO"
-    return (f"  {name:<16} {p.peak_bytes / gib:>9.2f} {verdict:>5} {p.stored_bytes / gib:>10.2f} "
-            f"{done:>4}/{starts:<4} {p.roofline['step'] * 1e3:>10.1f} {p.mfu or 0:>6.1%} {p.seconds:>9.1f}")
+    # the all-gathers and reduce-scatters alone: ZeRO's own collectives
+    ag_rs = [p.async_collectives.get(k, (0, 0)) for k in ("all-gather", "reduce-scatter")]
+    zero = f"{sum(o for _, o in ag_rs)}/{sum(n for n, _ in ag_rs)}"
+    return (f"  {name:<22} {p.peak_bytes / gib:>9.2f} {verdict:>5} {p.stored_bytes / gib:>10.2f} "
+            f"{done:>4}/{starts:<4} {zero:>8} {p.roofline['step'] * 1e3:>10.1f} {p.mfu or 0:>6.1%} {p.seconds:>9.1f}")
 
 
 def main(argv=None):
@@ -54,6 +60,8 @@ def main(argv=None):
     ap.add_argument("--target", default="h100")
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--smoke", action="store_true", help="a 2-layer d 64 GPT on 8 GPUs, stages 0 and 3 and FSDP")
+    ap.add_argument("--remat", action="store_true",
+                    help="only stages 0 and 3 in bf16 with activation checkpointing (each block recomputed)")
     args = ap.parse_args(argv)
     models = args.models
     stages = (0, 1, 2, 3)
@@ -66,8 +74,8 @@ def main(argv=None):
     target = gpu_target(args.target)
     print(f"{target.title}: {target.memory_bytes / 2**30:.2f} GiB per GPU, nodes of 8; AdamW, one sequence of "
           f"{args.seq_len if not args.smoke else 16} tokens per GPU; compiled by XLA:GPU for compile-only GPUs")
-    head = (f"  {'step':<16} {'peak GiB':>9} {'fits':>5} {'stored GiB':>10} {'overlap':>9} {'roofline ms':>10} "
-            f"{'MFU':>6} {'compile s':>9}")
+    head = (f"  {'step':<22} {'peak GiB':>9} {'fits':>5} {'stored GiB':>10} {'overlap':>9} {'AG+RS':>8} "
+            f"{'roofline ms':>10} {'MFU':>6} {'compile s':>9}")
     for name, model in models:
         for gpus in args.gpus:
             cfg = model[0] if isinstance(model, tuple) else dataclasses.replace(gpt_sizes()[model], seq_len=args.seq_len)
@@ -75,6 +83,13 @@ def main(argv=None):
             print(head, flush=True)
             t0 = time.perf_counter()
             plans = {}
+            if args.remat:
+                for stage in (0, 3):
+                    plans[stage] = plan(model, gpus, stage, "bf16", args.target, args.seq_len, remat=True)
+                    print(row(f"stage {stage} bf16 remat", plans[stage]), flush=True)
+                print(f"  stage 3 / stage 0 peak with activation checkpointing (bf16) "
+                      f"{plans[3].peak_bytes / plans[0].peak_bytes:.3f}", flush=True)
+                continue
             for stage in stages:
                 plans[f"stage {stage} bf16"] = plan(model, gpus, stage, "bf16", args.target, args.seq_len)
                 print(row(f"stage {stage} bf16", plans[f"stage {stage} bf16"]), flush=True)

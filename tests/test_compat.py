@@ -112,3 +112,16 @@ def test_a_step_wrapper_is_a_step():
     wrapped = Wrapped(Inner())
     assert isinstance(wrapped, Step)  # Python 3.12+ looks Protocol members up statically
     assert wrapped.plan == "the plan" and wrapped.lower(None, None) == "lowered"
+
+
+def test_only_the_compile_options_this_xla_knows_are_kept():
+    from zerojax._compat import known_compile_options
+    from zerojax.stages._device_step import OVERLAP_OPTIONS
+
+    made_up = {"xla_gpu_enable_no_such_thing": True}
+    with pytest.raises(Exception, match="No such compile option"):  # the control: XLA refuses it
+        jax.jit(lambda x: x + 1, compiler_options=made_up).lower(np.float32(0)).compile()
+    kept = known_compile_options({**made_up, **OVERLAP_OPTIONS["gpu"]})
+    assert "xla_gpu_enable_no_such_thing" not in kept and kept["xla_gpu_enable_latency_hiding_scheduler"] is True
+    # every option kept compiles together
+    jax.jit(lambda x: x + 1, compiler_options=kept).lower(np.float32(0)).compile()

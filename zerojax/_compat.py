@@ -364,6 +364,26 @@ def probe_options():
     return options or None
 
 
+@functools.lru_cache(maxsize=None)
+def _compile_option_known(name: str, value) -> bool:
+    try:
+        jax.jit(lambda x: x + 1, compiler_options={name: value}).lower(np.float32(0)).compile()
+    except Exception as e:  # noqa: BLE001 - jaxlib raises its own runtime error type
+        if "No such compile option" in str(e):
+            return False
+        raise
+    return True
+
+
+def known_compile_options(options: dict) -> dict:
+    """The XLA options of ``options`` (by name, as ``jax.jit(compiler_options=...)`` takes them)
+    that this XLA knows: options come and go between releases (jax 0.12's XLA has no
+    ``xla_gpu_enable_pipelined_all_gather`` / ``_reduce_scatter`` / ``_all_reduce``), and an
+    unknown one fails the compile. Each name is tried once, on a one-op CPU program (XLA checks
+    the names whatever the backend)."""
+    return {k: v for k, v in options.items() if _compile_option_known(k, v)}
+
+
 def probe_jit(fn):
     """``jax.jit(fn)`` for a small program run once on probe values: compiled with
     :func:`probe_options` where there are any, elsewhere as usual."""

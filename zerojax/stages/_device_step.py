@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import zerojax._placement as placement
-from zerojax._compat import compute_on_host, lowered_on_cpu_as
+from zerojax._compat import compute_on_host, known_compile_options, lowered_on_cpu_as
 from zerojax._contract import METRIC_KEYS, JittedStep
 from zerojax.kernels._fused_update import fused_adamw_update
 from zerojax._low_precision import update_key
@@ -213,7 +213,7 @@ def compiler_options(plan: ZeroPlan, platform: str):
     options = combine_thresholds(plan)
     if plan.config.overlap:
         options.update(OVERLAP_OPTIONS["gpu"])
-    return options
+    return known_compile_options(options)
 
 
 def build_device_step(loss_fn: Callable, state: TrainState, *, has_aux: bool = False, donate: bool = True,

@@ -39,7 +39,7 @@ from jax.sharding import PartitionSpec as P
 import zerojax as zj
 from tests.helpers import batches, init_params, loss_fn
 from zerojax._compat import compile_lowered_for, cuda_plugin, pallas_gpu_backend, shard_map
-from zerojax.tools._compiled import overlap
+from zerojax.tools._compiled import overlap, program_custom_calls
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "collective_permute")
 _COLLECTIVE = re.compile(r"stablehlo\.(" + "|".join(COLLECTIVES) + r")\b")
@@ -92,7 +92,6 @@ def cuda_problems(traced, *, host_memory: bool = False, gpu_kernel: bool = False
 # custom calls a compiled GPU program may hold: XLA:GPU's library calls and kernels, and the host
 # computation an offloaded update runs as
 GPU_PROGRAM_CALLS = re.compile(r"^(__cublas\$|__cudnn\$|__gpu\$xla\.gpu\.triton|mosaic_gpu|HostExecute$)")
-_PROGRAM_CALL = re.compile(r'custom_call_target="([^"]+)"')
 
 
 def h100s():
@@ -108,7 +107,7 @@ def gpu_program_problems(compiled, *, host_memory: bool = False, gpu_kernel: boo
     if (host_bytes > 0) != host_memory:
         problems.append(f"GPU program: {host_bytes} bytes of host arguments, but host memory "
                         + ("is what the plan asks" if host_memory else "where nothing is offloaded"))
-    calls = collections.Counter(_PROGRAM_CALL.findall(text))
+    calls = program_custom_calls(text)
     foreign = sorted(c for c in calls if not GPU_PROGRAM_CALLS.match(c))
     if foreign:
         problems.append(f"GPU program: custom calls no GPU runs: {foreign}")

@@ -364,15 +364,21 @@ def probe_options():
     return options or None
 
 
-@functools.lru_cache(maxsize=None)
+_KNOWN_OPTIONS: dict = {}  # option name -> whether this XLA knows it
+
+
 def _compile_option_known(name: str, value) -> bool:
-    try:
-        jax.jit(lambda x: x + 1, compiler_options={name: value}).lower(np.float32(0)).compile()
-    except Exception as e:  # noqa: BLE001 - jaxlib raises its own runtime error type
-        if "No such compile option" in str(e):
-            return False
-        raise
-    return True
+    """Whether XLA knows the option ``name``, tried once per name (with the first value seen:
+    every bucket size a config gives a threshold would otherwise be a probe compile of its own)."""
+    if name not in _KNOWN_OPTIONS:
+        try:
+            jax.jit(lambda x: x + 1, compiler_options={name: value}).lower(np.float32(0)).compile()
+            _KNOWN_OPTIONS[name] = True
+        except Exception as e:  # noqa: BLE001 - jaxlib raises its own runtime error type
+            if "No such compile option" not in str(e):
+                raise
+            _KNOWN_OPTIONS[name] = False
+    return _KNOWN_OPTIONS[name]
 
 
 def known_compile_options(options: dict) -> dict:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections import defaultdict
+from collections import Counter, defaultdict
 from typing import Dict, Optional
 
 import numpy as np
@@ -397,6 +397,14 @@ def peak_memory(step, state, batch) -> PeakMemory:
                       m.alias_size_in_bytes, getattr(m, "host_temp_size_in_bytes", 0))
 
 
+_CUSTOM_CALL_TARGET = re.compile(r'custom_call_target="([^"]+)"')
+
+
+def program_custom_calls(hlo_text: str) -> Counter:
+    """The custom-call targets of a compiled HLO module (text), with their counts."""
+    return Counter(_CUSTOM_CALL_TARGET.findall(hlo_text))
+
+
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*.*?\s([a-z][a-z0-9_\-]*)\((.*)$")
 _ASYNC = re.compile(r"^(" + "|".join(_KINDS) + r")-start$")
 # what does the work between a collective's start and its done: kernels and calls of computations
@@ -461,5 +469,5 @@ def overlap(hlo_text: str) -> Overlap:
     return Overlap({k: tuple(v) for k, v in kinds.items()}, dict(synchronous))
 
 
-__all__ = ["CommReport", "Overlap", "PeakMemory", "SPANS", "collectives", "comm_report", "node_map", "overlap", "peak_memory",
+__all__ = ["CommReport", "Overlap", "PeakMemory", "SPANS", "collectives", "comm_report", "node_map", "overlap", "peak_memory", "program_custom_calls",
            "replica_groups", "theory_elements"]

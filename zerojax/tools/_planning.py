@@ -33,7 +33,6 @@ import importlib
 import math
 import os
 import pickle
-import re
 import subprocess
 import sys
 import tempfile
@@ -59,6 +58,7 @@ from zerojax.tools._compiled import (
     collectives,
     node_map,
     overlap,
+    program_custom_calls,
     theory_elements,
 )
 from zerojax.stages._device_step import compiler_options
@@ -394,29 +394,33 @@ def _plan_here(init_fn, loss_fn, batch_spec, axes: Dict[str, int], config: ZeroC
     if target and not config.devices_per_node and config.hpz_partition_size <= 1:
         # the target's GPUs sit in nodes of 8: its data-axis devices per node, the other axes inside
         k = max(1, min(state.plan.n, GPUS_PER_HOST * state.plan.n // mesh.devices.size))
-    comm = collectives(compiled.as_text(), node_map(mesh, config.data_axis, k), k)
+    text = compiled.as_text()
+    comm = collectives(text, node_map(mesh, config.data_axis, k), k)
     theory, label = (theory_elements(state.plan, config.gradient_accumulation_steps) if not plain
                      else (3.0 * sum(lay.size for lay in state.plan.leaves), "3Ψ"))  # gathered twice, reduced once
     comm.theory_elements, comm.theory_label = theory, label
-    stored = estimate(shapes, mesh, config, tx, param_specs=param_specs)
-    host = max((stored.max_bytes(k) for k in stored.kinds if k != "device"), default=0)
-    stored_device = plain_stored if plain else int(stored.max_bytes("device"))
+    if plain:
+        stored_device, host = plain_stored, 0
+    else:
+        stored = estimate(shapes, mesh, config, tx, param_specs=param_specs)
+        stored_device = int(stored.max_bytes("device"))
+        host = max((stored.max_bytes(k) for k in stored.kinds if k != "device"), default=0)
     gpu = {}
     if target:
-        t, cost, sched = gpu_target(target), cost_analysis(compiled), overlap(compiled.as_text())
+        t, cost, sched = gpu_target(target), cost_analysis(compiled), overlap(text)
         gpu = dict(target=t.name, gpu_memory_bytes=t.memory_bytes, peak_flops=t.peak_flops(config.precision),
                    hbm_bandwidth=t.hbm_bandwidth, link_bandwidth=t.link, network_bandwidth=t.network,
                    flops=float(cost.get("flops", 0.0)), bytes_accessed=float(cost.get("bytes accessed", 0.0)),
                    async_collectives=dict(sched.kinds), sync_collectives=sum(sched.synchronous.values()),
                    host_argument_bytes=int(getattr(m, "host_argument_size_in_bytes", 0)),
                    host_temp_bytes=int(getattr(m, "host_temp_size_in_bytes", 0)),
-                   custom_calls=tuple(sorted(set(re.findall(r'custom_call_target="([^"]+)"', compiled.as_text())))))
+                   custom_calls=tuple(sorted(program_custom_calls(text))))
     return StepPlan(
         devices=math.prod(axes.values()), mesh_shape=dict(axes),
         n_params=sum(lay.size for lay in state.plan.leaves),
         peak_bytes=int(peak.peak), argument_bytes=int(peak.argument), output_bytes=int(peak.output),
         temp_bytes=int(peak.temp), alias_bytes=int(peak.alias),
-        stored_bytes=stored_device, stored_host_bytes=0 if plain else int(host),
+        stored_bytes=stored_device, stored_host_bytes=int(host),
         collective_bytes=int(comm.total_bytes), collective_elements=int(comm.total_elements),
         theory_elements=float(theory), collectives={k: tuple(int(x) for x in v) for k, v in comm.kinds.items()},
         lower_seconds=t1 - t0, compile_seconds=t2 - t1, subprocess=subprocess_,

@@ -84,8 +84,8 @@ def tensorboard_scalars(log_dir):
 def wandb_history(run_file, block=32768):
     """The history rows of a wandb run file: a record log (":W&B" header, then blocks of
     records, each crc32 / length / type) of wandb's Record protobufs. wandb's own process
-    writes the file, and may still be writing it after ``finish`` returns: this waits (up to
-    a minute) for the run's exit record."""
+    writes the file, and may still be writing it (or not yet have begun) after ``finish``
+    returns: this waits (up to a minute) for the run's exit record."""
     for _ in range(600):
         rows, ended = _wandb_records(run_file, block)
         if ended:
@@ -98,6 +98,8 @@ def _wandb_records(run_file, block):
     from wandb.proto import wandb_internal_pb2 as pb
 
     data = open(run_file, "rb").read()
+    if len(data) < 7:  # wandb's process has created the file but not yet written its header
+        return [], False
     assert data[:4] == b":W&B"
     pos, chunks, rows = 7, b"", []
     while pos + 7 <= len(data):

@@ -81,6 +81,8 @@ import zerojax.checkpoint._pieces as _pieces
 from zerojax._errors import CheckpointError
 from zerojax._plan import LeafLayout, ZeroPlan, path_str
 from zerojax._state import TrainState, state_shardings
+from zerojax.checkpoint._outside import check_outside_target, keeps_outside, outside_tree, restore_outside
+from zerojax.offload._nvme_step import placeholders
 
 __all__ = ["FORMAT", "logical_tree"]
 
@@ -235,9 +237,11 @@ def _save_program(plan: ZeroPlan, tx, with_master: bool, opt, scaler_keys, check
 
 
 # -------------------------------------------------------------------------------- save
-def logical_tree(state: TrainState):
+def logical_tree(state: TrainState, doing: str = "save"):
     """(tree, metadata) written for ``state``: see the module docstring. Leaves stay split."""
     plan = state.plan
+    if keeps_outside(plan):  # the optimizer state is in the NVMe store: the tree is read from its files
+        return _outside_logical_tree(state, doing)
     # the fp32 master when the state has one (not when the step keeps it: NVMe, ZenFlow)
     with_master = state.master is not None
     opt = _opt_entries(plan, state.opt_state)
@@ -262,6 +266,22 @@ def logical_tree(state: TrainState):
         "checksums": {k: int(v) for k, v in jax.device_get(sums).items()},
     }
     tree = dict(flat, params=nest(flat["params"]), opt_state=nest(flat["opt_state"]))
+    return tree, meta
+
+
+def _outside_logical_tree(state: TrainState, doing: str):
+    plan = state.plan
+    params, opt_flat, meta_opt, sums = outside_tree(state, doing)
+    meta = {
+        "format": FORMAT,
+        "saved_with": {"stage": plan.stage, "devices": plan.n, "processes": jax.process_count(),
+                       "precision": plan.config.precision, "offload_optimizer": plan.config.offload_optimizer},
+        "params": {lay.path: {"shape": list(lay.shape), "dtype": np.dtype(lay.dtype).name} for lay in plan.leaves},
+        "opt_state": meta_opt,
+        "checksums": sums,
+    }
+    tree = {"params": nest(params), "opt_state": nest(opt_flat), "step": state.step,
+            "loss_scale": _scaler_dict(state.loss_scale), "rng": state.rng}
     return tree, meta
 
 
@@ -417,7 +437,19 @@ def _cast_like(x, dtype: str, sharding):
 def restore_state(step_dir: str, meta: dict, target: TrainState, read, budget: int | None = None):
     """(state in the target's layout, checksums) of a checkpoint step, read group by group
     (:func:`read_groups`) with ``read(step_dir, item, restore_args)``; the leaves larger than a
-    group (:func:`in_pieces`) are read box by box through tensorstore first."""
+    group (:func:`in_pieces`) are read box by box through tensorstore first. A target keeping
+    its optimizer state in the NVMe store gets it there (:mod:`._outside`)."""
+    if keeps_outside(target.plan):
+        check_outside_target(meta, target.plan, target.tx, MISMATCH)
+        on_disk = target.plan.config.offload_param == "nvme"  # ZeRO-Infinity: the params go to the store only
+        state, sums = _restore_state(step_dir, {**meta, "opt_state": {}}, target, read, budget, with_params=not on_disk)
+        sums.update(restore_outside(step_dir, meta, target, int(state.step)))
+        return state, sums
+    return _restore_state(step_dir, meta, target, read, budget)
+
+
+def _restore_state(step_dir: str, meta: dict, target: TrainState, read, budget: int | None = None,
+                   with_params: bool = True):
     plan = target.plan
     flat, opt, homes = _flat_spec(meta, target)
     with_master = target.master is not None
@@ -429,7 +461,9 @@ def restore_state(step_dir: str, meta: dict, target: TrainState, read, budget: i
     group = max(1, (RESTORE_BUDGET if budget is None else budget) // _GROUP_SHARE)
     on_host = sums_on_host(plan)
     big_params, big_opt = in_pieces(plan, opt, group)
-    groups = [([i for i in pi if i not in big_params], [j for j in oi if j not in big_opt])
+    if not with_params:
+        big_params = set()
+    groups = [([i for i in pi if i not in big_params and with_params], [j for j in oi if j not in big_opt])
               for pi, oi in read_groups(plan, opt, group)]
     groups = [grp for g, grp in enumerate(groups) if g == 0 or grp[0] or grp[1]]
     if big_params or big_opt:
@@ -485,7 +519,7 @@ def restore_state(step_dir: str, meta: dict, target: TrainState, read, budget: i
     place = cached_program(key, lambda: jax.jit(lambda st, ls, r: (st, scaler_type(**ls), r),
                                                 out_shardings=(homes.step, homes.loss_scale, homes.rng)))
     step, scaler, rng = place(*scalars)
-    state = TrainState(step=step, params=plan.treedef.unflatten(params),
+    state = TrainState(step=step, params=plan.treedef.unflatten(params) if with_params else placeholders(plan),
                        master=plan.treedef.unflatten(master) if with_master else None,
                        opt_state=jax.tree_util.tree_structure(target.opt_state).unflatten(opt_leaves),
                        loss_scale=scaler, rng=rng, plan=plan, tx=target.tx)

@@ -25,6 +25,7 @@ from zerojax.checkpoint._export import consolidate
 from zerojax.checkpoint._format import (DATA, META, MISMATCH, SAFETENSORS_16BIT, STATE, logical_tree,
                                        restore_state, verify)
 from zerojax.checkpoint._integrity import portable, seal
+from zerojax.checkpoint._outside import keeps_outside
 from zerojax.checkpoint._pieces import CHUNK_BYTES
 from zerojax.checkpoint._steps import _scan, partial_dirs, pick_step, read_data, read_meta, read_state
 from zerojax._errors import CheckpointError, ConfigError, ZeroJaxError, ZeroJaxWarning
@@ -261,13 +262,14 @@ class CheckpointManager:
         if data_state is not None and not isinstance(data_state, dict):
             raise CheckpointError(f"save(step={step}): data_state must be a dict, got {type(data_state).__name__}")
         step = int(step)
-        check_params_held(state, f"save(step={step})")
+        if not keeps_outside(state.plan):  # (with the params on NVMe, the save reads them from the store)
+            check_params_held(state, f"save(step={step})")
         data_state = portable(dict(data_state or {}), f"save(step={step}): data_state")
         self._settle(clean=True)  # the previous write first: its failure is its own, not this step's
         if step in self.all_steps():
             raise CheckpointError(f"save(step={step}): step {step} already exists in {self.directory}. Fix: save "
                                   "under a new step number, or delete that step's directory first")
-        tree, meta = logical_tree(state)
+        tree, meta = logical_tree(state, f"save(step={step})")
         meta = seal(meta, data_state)
         # stored chunks of a bounded size: a restore in pieces decodes one chunk beyond its piece
         chunks = jax.tree_util.tree_map(lambda _: ocp.SaveArgs(chunk_byte_size=CHUNK_BYTES), tree)
@@ -277,6 +279,10 @@ class CheckpointManager:
         _watchdog.record("save begun", detail=f"step {step}")
         with _watchdog.armed("save"):
             saved = self._guard(step, lambda: self._mngr.save(step, args=args, metrics=metrics, force=True))
+        if keeps_outside(state.plan):
+            # the write reads the NVMe store's committed slot, which the step after next rewrites: it
+            # finishes before save returns
+            self._settle()
         if saved and state.plan.config.gather_16bit_weights_on_model_save:
             cdt = np.dtype(state.plan.compute_dtype)
             self._pending_16bit.append((step, "bfloat16" if cdt.itemsize == 4 else cdt.name))

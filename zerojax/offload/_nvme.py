@@ -112,6 +112,38 @@ def _validate_space(path: str, need_bytes: int, per_element: int = 12) -> None:
                         _errno.ENOSPC)
 
 
+def _regions(buf: np.ndarray, n: int, params_dtype) -> dict:
+    """The named regions of a slot's bytes: master, m, v (fp32) and params (``params_dtype``)."""
+    out = {name: buf[4 * r * n:4 * (r + 1) * n].view(np.float32) for r, name in enumerate(_FIELDS)}
+    if params_dtype is not None:
+        out["params"] = buf[12 * n:12 * n + np.dtype(params_dtype).itemsize * n].view(params_dtype)
+    return out
+
+
+def read_marker(path: str) -> Optional[dict]:
+    """The committed marker of the store in ``path`` (None where nothing is committed there)."""
+    try:
+        with open(os.path.join(path, _MARKER)) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        raise NvmeError(path, f"the {_MARKER} marker cannot be read ({e})",
+                        "restore it from a backup or delete the directory's contents to start afresh") from e
+
+
+def committed_regions(path: str, marker: dict) -> dict:
+    """Read-only memory maps of the committed slot's regions (``master``, ``m``, ``v`` and, in a
+    store with params, ``params``): nothing is read until used, so a state larger than memory
+    can be streamed from them. A store step rewrites the other slot only; the one after it
+    rewrites this one."""
+    n = int(marker["num_elements"])
+    pdt = None if marker.get("params_dtype") is None else np.dtype(marker["params_dtype"])
+    size = (12 + (0 if pdt is None else pdt.itemsize)) * n
+    mm = np.memmap(os.path.join(path, f"slot{marker['slot']}.bin"), np.uint8, "r", shape=(size,))
+    return _regions(mm, n, pdt)
+
+
 class NvmeOptimizerStore:
     """fp32 master weights and Adam moments in files, updated sub-group by sub-group.
 
@@ -158,6 +190,7 @@ class NvmeOptimizerStore:
         self._fds = [os.open(self._slot_file(k), os.O_RDWR | os.O_CREAT, 0o600) for k in (0, 1)]
         self._slot = None if resume is None else resume["slot"]
         self.committed_count = None if resume is None else resume["count"]
+        self.marker = resume  # the committed marker (None: nothing committed)
         # Three (3, sub_group) buffers: read-ahead, update, write-behind.
         rows = min(self.sub_group_size, self.num_elements)
         self._bufs = [np.empty((3, rows), np.float32) for _ in range(3)]
@@ -166,8 +199,9 @@ class NvmeOptimizerStore:
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="nvme-write")
 
     # -- public ------------------------------------------------------------------------
-    def init(self, params_flat: np.ndarray) -> None:
-        """Starts from ``params_flat`` (cast to fp32) with zero moments; commits count 0."""
+    def init(self, params_flat: np.ndarray, extra: Optional[dict] = None) -> None:
+        """Starts from ``params_flat`` (cast to fp32) with zero moments; commits count 0
+        (``extra``: more fields for the marker, see :meth:`step`)."""
         params_flat = np.asarray(params_flat).reshape(-1)
         self._check_size(params_flat, "params_flat")
         dst = 0 if self._slot is None else 1 - self._slot
@@ -197,11 +231,14 @@ class NvmeOptimizerStore:
             if isinstance(e, OSError) and not isinstance(e, NvmeError):  # from os.fsync
                 raise self._io_error(e, "syncing") from e
             raise
-        self._commit(dst, 0)
+        self._commit(dst, 0, extra)
 
     def step(self, grads_flat: np.ndarray, count: int, lr: Optional[float] = None,
-             grad_scale: float = 1.0, out16: Optional[np.ndarray] = None) -> None:
-        """One AdamW step over the whole state (see ``HostAdamW.step`` for the args)."""
+             grad_scale: float = 1.0, out16: Optional[np.ndarray] = None, extra: Optional[dict] = None) -> None:
+        """One AdamW step over the whole state (see ``HostAdamW.step`` for the args). ``extra``:
+        JSON fields the commit's marker carries beside the slot and count (the train step
+        records the TrainState step and the optimizer's settings there, so a checkpoint can be
+        written from the files alone and a stale state is told from the committed one)."""
         if self._slot is None:
             raise ConfigError(f"NvmeOptimizerStore({self.path!r}): call init(params) before "
                                "step(); there is no committed state yet.")
@@ -241,8 +278,41 @@ class NvmeOptimizerStore:
             if isinstance(e, OSError) and not isinstance(e, NvmeError):  # from os.fsync
                 raise self._io_error(e, "syncing") from e
             raise
-        self._commit(dst, int(count))
+        self._commit(dst, int(count), extra)
 
+    def annotate(self, extra: dict) -> None:
+        """Rewrites the marker's extra fields over the same committed slot and count (a
+        skipped step moves the TrainState step without an update)."""
+        if self._slot is None:
+            raise ConfigError(f"NvmeOptimizerStore({self.path!r}): nothing committed yet; call init(params) first.")
+        self._commit(self._slot, int(self.committed_count), extra)
+
+    def reload(self) -> Optional[dict]:
+        """Reads the marker again (another store object, a restore, may have committed since);
+        returns it (None: nothing committed)."""
+        marker = self._read_marker_if_present()
+        if marker is not None:
+            self._slot, self.committed_count, self.marker = marker["slot"], marker["count"], marker
+        return marker
+
+    def load(self, write, count: int, extra: Optional[dict] = None) -> None:
+        """Replaces the committed state: ``write(regions)`` fills the free slot through writable
+        memory maps of its regions (``committed_regions``' names), which is then synced and
+        committed as ``count``. A failure before the commit leaves the committed state as it was."""
+        dst = 0 if self._slot is None else 1 - self._slot
+        try:
+            _reserve(self._fds[dst], self.slot_bytes)
+            mm = np.memmap(self._slot_file(dst), np.uint8, "r+", shape=(self.slot_bytes,))
+            try:
+                write(_regions(mm, self.num_elements, self.params_dtype))
+                mm.flush()
+            finally:
+                del mm
+            if self.fsync:
+                os.fsync(self._fds[dst])
+        except OSError as e:
+            raise self._io_error(e, "writing") from e
+        self._commit(dst, int(count), extra)
     def read(self, name: str = "master", out: Optional[np.ndarray] = None) -> np.ndarray:
         """The committed ``master``, ``m`` or ``v`` as one flat fp32 array."""
         if name not in _FIELDS:
@@ -383,12 +453,13 @@ class NvmeOptimizerStore:
                             "use another directory, or delete this one to start afresh")
         return marker
 
-    def _commit(self, slot: int, count: int) -> None:
+    def _commit(self, slot: int, count: int, extra: Optional[dict] = None) -> None:
         tmp = self._marker + ".tmp"
         pdt = self._params_name
-        data = json.dumps({"slot": slot, "count": count, "num_elements": self.num_elements,
-                           "params_dtype": pdt,
-                           "layout": "master, m, v: fp32, num_elements each" + (f"; params: {pdt}" if pdt else "")})
+        marker = {**(extra or {}), "slot": slot, "count": count, "num_elements": self.num_elements,
+                  "params_dtype": pdt, "generation": int((self.marker or {}).get("generation", 0)) + 1,
+                  "layout": "master, m, v: fp32, num_elements each" + (f"; params: {pdt}" if pdt else "")}
+        data = json.dumps(marker)
         try:
             with open(tmp, "w") as f:
                 f.write(data)
@@ -404,4 +475,4 @@ class NvmeOptimizerStore:
                     os.close(dfd)
         except OSError as e:
             raise self._io_error(e, "committing") from e
-        self._slot, self.committed_count = slot, count
+        self._slot, self.committed_count, self.marker = slot, count, marker

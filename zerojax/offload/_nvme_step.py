@@ -45,6 +45,30 @@ from zerojax.update._pipeline import check_gradients, step_metrics
 from zerojax.update._recognize import StepSettings, recognize, refuse
 
 
+def store_path(cfg) -> str:
+    """This process's store directory under ``cfg.nvme_path``."""
+    return os.path.join(cfg.nvme_path, f"zerojax_optimizer_p{jax.process_index()}")
+
+
+def store_layout(plan):
+    """(flat layout of the store's elements, the params' disk layout or None, the dtype of the
+    params region or None): with ``offload_param="nvme"`` each leaf in its disk layout (split
+    dimension first, padded) and the 16-bit params beside the state; else the user's shapes."""
+    cdt = plan.compute_dtype
+    if plan.config.offload_param == "nvme":
+        disk = DiskLayout.of(plan)
+        return disk.flat, disk, (jnp.dtype(cdt) if cdt != jnp.float32 else None)
+    return FlatLayout.from_tree([jax.ShapeDtypeStruct(lay.shape, np.float32) for lay in plan.leaves]), None, None
+
+
+def placeholders(plan):
+    """What ``state.params`` holds when the params live in files (``offload_param="nvme"``): their
+    stored shapes, dtypes and shardings, no data."""
+    return plan.treedef.unflatten([
+        jax.ShapeDtypeStruct(plan.param_shape(lay), plan.compute_dtype, sharding=s)
+        for lay, s in zip(plan.leaves, plan.treedef.flatten_up_to(plan.param_shardings))])
+
+
 class MemoryAdamW:
     """The store interface over host-memory buffers: init / step / read_master / close."""
 
@@ -92,7 +116,7 @@ class HostLoopStep(StepBase):
             raise refuse(state.tx, f"offload_optimizer={cfg.offload_optimizer!r} (the host loop)")
         self.cdt = plan.compute_dtype
         # params on NVMe: the flat order is each leaf's disk layout (split dim first), else the user's shapes
-        self.disk = DiskLayout.of(plan) if cfg.offload_param == "nvme" else None
+        self.layout, self.disk, params16 = store_layout(plan)
         if jax.process_count() > 1:
             # the host update reads every gradient and writes every param on this process
             raise ConfigError(f"offload_optimizer={cfg.offload_optimizer!r} runs its host update in one process "
@@ -111,8 +135,6 @@ class HostLoopStep(StepBase):
         if self.disk is not None and store != "nvme":
             raise ConfigError("offload_param='nvme' keeps the params in the NVMe optimizer store's files: "
                               "use store='nvme'")
-        self.layout = self.disk.flat if self.disk is not None else \
-            FlatLayout.from_tree([jax.ShapeDtypeStruct(lay.shape, np.float32) for lay in plan.leaves])
         if self.muon is not None:
             self.settings = self.host_opt = MuonHost(plan, state.tx, self.muon, self.layout)
         else:
@@ -121,9 +143,8 @@ class HostLoopStep(StepBase):
         n = self.layout.total
         if store == "nvme":
             _validate_dir(cfg.nvme_path)  # missing / not a directory / not writable: a clear error now
-            path = os.path.join(cfg.nvme_path, f"zerojax_optimizer_p{jax.process_index()}")
+            path = store_path(cfg)
             os.makedirs(path, exist_ok=True)
-            params16 = jnp.dtype(self.cdt) if self.disk is not None and self.cdt != jnp.float32 else None
             self.store = NvmeOptimizerStore(path, n, int(min(cfg.sub_group_size, n)), optimizer=self.host_opt,
                                             params_dtype=params16)
         elif store == "memory":
@@ -133,19 +154,24 @@ class HostLoopStep(StepBase):
         self.grads = np.empty(n, jnp.dtype(self.cdt))
         self.out16 = np.empty(n, jnp.dtype(self.cdt)) if self.cdt != jnp.float32 and self.disk is None else None
         self.count = 0
+        self._at = self._generation = None  # the TrainState step and the marker the store holds
         source, self.reader = None, None
-        if self.disk is None:
-            self.store.init(self.layout.fill(np.empty(n, np.float32), placement.params_logical(plan, state.params)))
-        else:
-            if params_held(state.params):
-                self.store.init(self.layout.fill(np.empty(n, np.float32), self._disk_params(state.params)))
-                release()  # the whole-model fp32 copy init wrote from
-            elif self.store.committed_count is None:
-                raise StateError(f"state.params holds only the params' shapes (offload_param='nvme') and "
-                                 f"{self.store.path} has no committed params to continue from. Fix: make the step "
-                                 "from the state zj.shard_train_state returned, whose params are arrays")
-            else:  # a state a previous step returned: go on from the params committed in the files
-                self.count = int(self.store.committed_count)
+        at = int(state.step)
+        if at == 0 and params_held(state.params):
+            # a fresh state: the store starts from its params (a store left in the path by another run is replaced)
+            leaves = (self._disk_params(state.params) if self.disk is not None
+                      else placement.params_logical(plan, state.params))
+            flat = self.layout.fill(np.empty(n, np.float32), leaves)
+            if isinstance(self.store, NvmeOptimizerStore):
+                self.store.init(flat, self._extra(0))
+                self._taken(0)
+            else:
+                self.store.init(flat)
+            del flat, leaves
+            release()  # the whole-model fp32 copy init wrote from
+        else:  # a state a step returned, or a checkpoint restored: go on from what the store committed for it
+            self._resume(state)
+        if self.disk is not None:
             order = [(i, d) for i in range(len(plan.leaves)) for d in local_devices(plan)]
             budget = min(cfg.offload_param_buffer_count * cfg.offload_param_buffer_size, cfg.offload_param_max_in_cpu)
             self.reader = ParamReader(self.store, self.disk, self.cdt, order, budget * jnp.dtype(self.cdt).itemsize)
@@ -165,6 +191,53 @@ class HostLoopStep(StepBase):
 
         self._device = jax.jit(device)
         self._place = jax.jit(place, out_shardings=plan.param_shardings)
+
+    # -- the store's committed state and the TrainState it belongs to ---------------------------
+    def _extra(self, state_step: int, since: int | None = None) -> dict:
+        """What the store's marker records beside the slot and count: the TrainState steps the
+        committed state belongs to (``since`` to ``state_step``: skipped steps leave it as it was)
+        and the optimizer's settings (a checkpoint of the run is written from the files and the
+        marker alone: zerojax.checkpoint._outside)."""
+        shadow = None if self.muon is not None else self.settings.shadow_leaves()
+        return {"state_step": int(state_step), "since": int(state_step if since is None else since),
+                "settings": shadow, "optimizer": "muon" if self.muon is not None else "optax"}
+
+    def _taken(self, state_step: int) -> None:
+        self._at, self._generation = state_step, self.store.marker["generation"]
+
+    def _resume(self, state: TrainState) -> None:
+        """Go on from the store's committed state, which must be ``state``'s step: a state of
+        another step (an older one, while the store trained on; a checkpoint restored elsewhere)
+        would mix the params of one step with the optimizer state of another."""
+        at = int(state.step)
+        marker = self.store.reload() if isinstance(self.store, NvmeOptimizerStore) else None
+        held = None if marker is None else marker.get("state_step")
+        if held is None or not marker.get("since", held) <= at <= held:
+            what = (f"nothing committed" if marker is None else
+                    f"the optimizer state of step {held}" if held is not None else "a state of unknown step")
+            raise StateError(
+                f"this state is at step {at}, and its optimizer state (offload_optimizer='nvme') lives in "
+                f"{getattr(self.store, 'path', 'the store')}, which holds {what}: the two do not belong together. "
+                "Fix: restore the step's checkpoint with zj.checkpoint.restore / CheckpointManager.restore onto a "
+                "target with this nvme_path (that writes the store), or train on from the state the last step "
+                "returned")
+        if self.muon is not None and self._at is None:
+            raise StateError("Muon with offload_optimizer='nvme' goes on only from the step object that trained "
+                             "it: its settings are not recorded in the store. Fix: keep the step, or offload "
+                             "Muon's state to 'cpu'")
+        if self.muon is None:
+            self.settings.set_shadow(marker.get("settings"))
+        self.count = int(marker["count"])
+        self._taken(at)
+
+    def _sync(self, state: TrainState) -> None:
+        """Before a step: the store must still hold this state's step (a restore may have
+        rewritten it, or the state may be an older one)."""
+        if not isinstance(self.store, NvmeOptimizerStore):
+            return
+        marker = self.store.reload()
+        if marker is None or marker.get("generation") != self._generation or int(state.step) != self._at:
+            self._resume(state)
 
     def _disk_params(self, params) -> list:
         """The stored params (arrays, in the plan's storage layout) as disk-layout host views."""
@@ -187,6 +260,7 @@ class HostLoopStep(StepBase):
 
     def __call__(self, state: TrainState, batch):
         self._check(state, batch)
+        self._sync(state)
         rng = jax.random.fold_in(state.rng, state.step)
         if self.reader is not None:
             self.reader.begin()
@@ -214,23 +288,27 @@ class HostLoopStep(StepBase):
                 self.host_opt.use(self.settings.next())
             # a failed write raises NvmeError here; the store keeps its last committed step and
             # the caller's state (not donated) is untouched
-            self.store.step(self.grads, self.count, lr=float(hp["learning_rate"]), out16=self.out16)
+            self.store.step(self.grads, self.count, lr=float(hp["learning_rate"]), out16=self.out16,
+                            **self._commit_extra(int(state.step) + 1))
             _watchdog.record("host update", detail="nvme")
             if self.disk is None:
                 flat = self.out16 if self.out16 is not None else self.store.read_master()
                 state = state.replace(params=self._place(self.layout.views(flat)))
+        elif isinstance(self.store, NvmeOptimizerStore):  # no update: the committed state now belongs to the next step
+            self.store.annotate(self._extra(int(state.step) + 1, self.store.marker.get("since")))
+        if isinstance(self.store, NvmeOptimizerStore):
+            self._taken(int(state.step) + 1)
         new_state = state.replace(step=state.step + 1)
         metrics = step_metrics(self.cfg, loss, checked, hp["learning_rate"])
         self._report(new_state, metrics)
         return new_state, metrics
 
+    def _commit_extra(self, state_step: int) -> dict:
+        return {"extra": self._extra(state_step)} if isinstance(self.store, NvmeOptimizerStore) else {}
+
     def placeholders(self):
-        """What ``state.params`` holds when the params live in files: their stored shapes,
-        dtypes and shardings, no data."""
-        plan = self.plan
-        return plan.treedef.unflatten([
-            jax.ShapeDtypeStruct(plan.param_shape(lay), self.cdt, sharding=s)
-            for lay, s in zip(plan.leaves, plan.treedef.flatten_up_to(plan.param_shardings))])
+        """What ``state.params`` holds when the params live in files (:func:`placeholders`)."""
+        return placeholders(self.plan)
 
     def full_params(self, dtype=None):
         """The params as the user's tree (logical shapes, numpy), read from the files when
@@ -258,4 +336,4 @@ class HostLoopStep(StepBase):
         self.host_opt.close()  # an NVMe store does not own it; closing twice is harmless
 
 
-__all__ = ["HostLoopStep", "MemoryAdamW"]
+__all__ = ["HostLoopStep", "MemoryAdamW", "placeholders", "store_layout", "store_path"]

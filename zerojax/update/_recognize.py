@@ -215,6 +215,27 @@ class StepSettings:
             self._shadow, self._ahead = self._ahead, None
         return hp
 
+    def shadow_leaves(self) -> Optional[list]:
+        """The shadow state's leaves as JSON-ready ``[dtype, value]`` pairs (None: constant
+        settings), so a resumed run takes up the schedule where it was (:meth:`set_shadow`)."""
+        if self._shadow is None:
+            return None
+        return [[np.dtype(x.dtype).name, np.asarray(x).tolist()] for x in jax.tree_util.tree_leaves(self._shadow)]
+
+    def set_shadow(self, leaves: Optional[list]) -> None:
+        """Takes up the schedule from :meth:`shadow_leaves` of another run of the same ``tx``."""
+        if self._shadow is None or leaves is None:
+            return
+        treedef = jax.tree_util.tree_structure(self._shadow)
+        self._shadow = treedef.unflatten([jnp.asarray(np.asarray(v, dt)) for dt, v in leaves])
+        self._ahead = None
+
+    @property
+    def shadow(self):
+        """The one-element shadow of the optimizer state at the applied steps so far (None:
+        constant settings)."""
+        return self._shadow
+
 
 # ------------------------------------------------------------------ probing constant settings
 

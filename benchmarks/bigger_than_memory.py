@@ -4,6 +4,8 @@ steps cost next to the bytes they move through the disk.
     python benchmarks/bigger_than_memory.py                       # 8 layers, d 512: ~0.5 GB a slot
     python benchmarks/bigger_than_memory.py --layers 48 --d 2048 --dir /nvme/scratch
     python benchmarks/bigger_than_memory.py --smoke               # tiny, seconds: the script runs
+    sudo python benchmarks/bigger_than_memory.py --memory-limit 3 --layers 24 --d 1024 --steps 20
+                                                                  # the job capped at 3 GiB (cgroup)
 
 Stage 3 (``max_reuse_distance: 0``), bf16, AdamW, ``offload_param`` and ``offload_optimizer`` both ``"nvme"`` on 8 simulated
 devices: the 16-bit params, fp32 master and both moments (14 bytes a param, in two slots) live in
@@ -20,6 +22,13 @@ the drive where the kernel allows it. Printed:
   directory, cache dropped), the compute time (the same model and batch at stage 3 with
   everything in memory, timed in rounds interleaved with the NVMe steps; ``--no-compare`` skips
   it for a state that does not fit) and the step time against the two summed (goal: within 1.5x).
+
+``--memory-limit GIB`` runs the same training in a child process whose memory the kernel caps
+(a memory cgroup: v1's ``memory.limit_in_bytes`` or v2's ``memory.max``; needs root), so the
+simulated devices' memory, the host buffers, the page cache of the store's files and the runtime
+all count against the limit, as on a machine of that size. It prints the training state (fp32
+master, both moments and the 16-bit params: 14 bytes a param) against the limit (goal >= 1.5x),
+the loss of every step, and the largest memory the group was charged.
 """
 from __future__ import annotations
 
@@ -30,10 +39,65 @@ import shutil
 import tempfile
 import time
 
+CGROUP_ENV = "ZEROJAX_BTM_CGROUP"  # the child joins this group's cgroup.procs before anything else
+
 if __name__ == "__main__":
+    if os.environ.get(CGROUP_ENV):
+        with open(os.path.join(os.environ[CGROUP_ENV], "cgroup.procs"), "w") as f:
+            f.write(str(os.getpid()))
+    import sys
+
     from _common import simulate_devices
 
-    simulate_devices(8)
+    simulate_devices(int(sys.argv[sys.argv.index("--devices") + 1]) if "--devices" in sys.argv else 8)
+
+
+def _cgroup(limit: int):
+    """(group directory, its peak-usage file, its limit-hit file) of a fresh memory cgroup capped
+    at ``limit`` bytes: cgroup v1's memory controller where mounted, else v2."""
+    name = f"zerojax-btm-{os.getpid()}"
+    v1 = "/sys/fs/cgroup/memory"
+    if os.path.isdir(v1) and os.path.exists(os.path.join(v1, "memory.limit_in_bytes")):
+        path = os.path.join(v1, name)
+        os.mkdir(path)
+        with open(os.path.join(path, "memory.limit_in_bytes"), "w") as f:
+            f.write(str(limit))
+        return path, "memory.max_usage_in_bytes", "memory.failcnt"
+    if os.path.exists("/sys/fs/cgroup/cgroup.controllers"):
+        path = os.path.join("/sys/fs/cgroup", name)
+        os.mkdir(path)
+        with open(os.path.join(path, "memory.max"), "w") as f:
+            f.write(str(limit))
+        return path, "memory.peak", "memory.events"
+    raise SystemExit("--memory-limit needs a memory cgroup (v1 at /sys/fs/cgroup/memory or v2 at /sys/fs/cgroup)")
+
+
+def run_limited(args) -> int:
+    """The training in a child process capped at ``args.memory_limit`` GiB; prints the group's peak."""
+    import subprocess
+    import sys
+
+    limit = int(args.memory_limit * 2**30)
+    try:
+        path, peak_file, events_file = _cgroup(limit)
+    except PermissionError as e:
+        raise SystemExit(f"--memory-limit: cannot create a memory cgroup ({e}); run as root") from e
+    argv = [a for a in sys.argv[1:]]
+    i = argv.index("--memory-limit")
+    del argv[i:i + 2]
+    env = dict(os.environ, **{CGROUP_ENV: path})
+    print(f"the job runs in the memory cgroup {path}, capped at {limit / 2**30:.2f} GiB", flush=True)
+    try:
+        rc = subprocess.call([sys.executable, os.path.abspath(__file__), *argv, "--limited", str(limit)], env=env)
+        with open(os.path.join(path, peak_file)) as f:
+            peak = int(f.read())
+        with open(os.path.join(path, events_file)) as f:
+            events = f.read().strip().replace("\n", ", ")
+        print(f"cgroup: peak charged {peak / 2**30:.2f} GiB = {peak / limit:.2f}x the limit of {limit / 2**30:.2f} GiB "
+              f"(page cache included; {events_file}: {events}); the job exited with {rc}", flush=True)
+        return rc
+    finally:
+        os.rmdir(path)
 
 
 def main():
@@ -48,7 +112,18 @@ def main():
     ap.add_argument("--smoke", action="store_true", help="2 layers of d 64, 2 steps")
     ap.add_argument("--no-compare", action="store_true",
                     help="no in-memory run (a model whose state does not fit in memory)")
+    ap.add_argument("--devices", type=int, default=8, help="simulated devices (read before jax starts)")
+    ap.add_argument("--buckets", choices=["deepspeed", "auto"], default="deepspeed",
+                    help="auto: Hugging Face's 'auto' buckets for the model (prefetch 0.9 d^2, reduce d^2 elements) "
+                         "and a parameter read-ahead of 4 layers, so the devices hold a few layers, not the model")
+    ap.add_argument("--memory-limit", type=float, default=None,
+                    help="GiB: run the training in a child process capped at this much memory (a cgroup; root)")
+    ap.add_argument("--limited", type=int, default=None, help=argparse.SUPPRESS)  # the child: its cap in bytes
     args = ap.parse_args()
+    if args.memory_limit is not None:
+        raise SystemExit(run_limited(args))
+    if args.limited:
+        args.no_compare = True  # nothing else fits beside it
     if args.smoke:
         args.layers, args.d, args.vocab, args.seq, args.steps = 2, 64, 256, 16, 2
 
@@ -74,9 +149,14 @@ def main():
     # max_reuse_distance 0: every param is gathered (and read) again for the backward pass, so the
     # device holds a few layers at a time, not the whole gathered model until its backward use
     common = dict(stage=3, precision="bf16", param_persistence_threshold=0, max_reuse_distance=0)
+    read_ahead = {}
+    if args.buckets == "auto":
+        d2 = args.d * args.d
+        common.update(prefetch_bucket_size=int(0.9 * d2), reduce_bucket_size=d2)
+        read_ahead = dict(offload_param_buffer_count=4, offload_param_buffer_size=12 * d2)
     try:
         rss_base = RssSampler().rss()  # after the imports: jax and its runtime
-        config = zj.ZeroConfig(**common, offload_optimizer="nvme", offload_param="nvme", nvme_path=nvme,
+        config = zj.ZeroConfig(**common, **read_ahead, offload_optimizer="nvme", offload_param="nvme", nvme_path=nvme,
                                sub_group_size=1 << 22)
         state = zj.shard_train_state(gpt.init_params(cfg, jax.random.PRNGKey(0)), tx, config=config)
         step = zj.make_train_step(loss_fn, state)
@@ -85,10 +165,14 @@ def main():
         slot = 14 * n
         print(f"GPT {cfg.n_layer} layers, d {cfg.d_model}, vocab {cfg.vocab}: {cfg.n_params / 1e6:.1f}M params; "
               f"on disk {slot / 2**30:.2f} GiB a slot (x2 slots) = {slot / machine:.3f}x this machine's "
-              f"{machine / 2**30:.1f} GiB")
-        compiled = step.lower(state, batch).compile().memory_analysis()
-        per_dev = compiled.argument_size_in_bytes + compiled.output_size_in_bytes + compiled.temp_size_in_bytes \
-            - compiled.alias_size_in_bytes
+              f"{machine / 2**30:.1f} GiB", flush=True)
+        if args.limited:
+            print(f"training state (fp32 master, both moments, bf16 params: 14 bytes a param) {slot / 2**30:.2f} GiB "
+                  f"= {slot / args.limited:.2f}x the job's memory limit of {args.limited / 2**30:.2f} GiB "
+                  "[goal >= 1.5x]", flush=True)
+        compiled = step.lower(state, batch).compile().memory_analysis() if not args.limited else None
+        per_dev = 0 if compiled is None else (compiled.argument_size_in_bytes + compiled.output_size_in_bytes
+                                              + compiled.temp_size_in_bytes - compiled.alias_size_in_bytes)
         devices_bytes = per_dev * state.plan.n
         # the first step compiles and writes the params the state was made with to their files; the
         # state it returns holds their shapes only
@@ -103,6 +187,8 @@ def main():
                 state, m = step(state, batch)
                 losses.append(float(m["loss"]))
                 times.append(time.perf_counter() - t)
+                if args.limited:
+                    print(f"step {len(losses)}: loss {losses[-1]:.4f}, {times[-1]:.1f} s", flush=True)
         grow = rss.peak - rss_base
         print("losses: " + ", ".join(f"{x:.4f}" for x in losses)
               + ("  (falling)" if losses[-1] < losses[0] else "  (NOT falling)"))
@@ -110,7 +196,7 @@ def main():
               f"{grow / slot:.2f}x the state on disk, {grow / machine:.3f}x the machine [goal <= 0.5x the machine]; "
               f"of it the simulated devices' compiled peak x {state.plan.n}: {devices_bytes / 2**30:.2f} GiB, "
               "GPU memory on a GPU")
-        write_bw, read_bw = disk_speed(root, int(min(slot, 1 << 30)))
+        write_bw, read_bw = disk_speed(root, int(min(slot, (64 << 20) if args.limited else 1 << 30)))
         io_read = io_write = 14 * n  # params (2 B) + master, m, v (12 B) read; the same written
         io = io_read / (read_bw * 1e9) + io_write / (write_bw * 1e9)
         print(f"disk: write {write_bw:.2f} GB/s, read {read_bw:.2f} GB/s (plain sequential, cache dropped)")

@@ -74,6 +74,7 @@ def main(argv=None) -> None:
     p.add_argument("--term-during-save", type=int, default=None)
     p.add_argument("--step-seconds", type=float, default=0.0, help="host work after each step (a data loader)")
     p.add_argument("--out", default=None)
+    p.add_argument("--nvme", default=None, help="offload_optimizer='nvme' with this nvme_path")
     args = p.parse_args(argv)
     first_start = os.environ.get("ZEROJAX_RESTART", "0") == "0"
     stall = tuple(int(v) for v in args.stall.split(":")) if args.stall and first_start else None
@@ -81,8 +82,9 @@ def main(argv=None) -> None:
     zj.distributed.initialize()
     rank = jax.process_index()
     mesh = zj.make_mesh()
+    nvme = dict(offload_optimizer="nvme", nvme_path=args.nvme) if args.nvme else {}
     cfg = zj.ZeroConfig(stage=args.stage, step_timeout=args.step_timeout, first_step_timeout=args.first_step_timeout,
-                        preemption_signal=args.preemption_signal)
+                        preemption_signal=args.preemption_signal, **nvme)
     target = os.getppid() if "ZEROJAX_PROCESS_ID" in os.environ else os.getpid()  # the launcher, or this process
     state = zj.shard_train_state(init, optax.adamw(1e-2), mesh=mesh, config=cfg, rng=jax.random.PRNGKey(0))
     mngr = zj.CheckpointManager(args.ckpt)

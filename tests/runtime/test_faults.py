@@ -199,6 +199,21 @@ def test_sigterm_saves_the_step_and_a_second_start_resumes_to_the_same_params(tm
     assert_equal_to(reference, out)
 
 
+@pytest.mark.slow  # two launched jobs: about 30 s
+def test_sigterm_to_an_nvme_run_saves_its_optimizer_state_and_the_restart_resumes_to_the_same_params(
+        tmp_path, reference):
+    """offload_optimizer='nvme': the preemption checkpoint holds the master and moments the store kept
+    (a resume from zero moments ends far from the uninterrupted run)."""
+    ckpt, out, nvme = str(tmp_path / "ckpt"), str(tmp_path / "final.npz"), tmp_path / "nvme"
+    nvme.mkdir()
+    args = [sys.executable, WORKER, "--ckpt", ckpt, "--steps", str(STEPS), "--out", out, "--nvme", str(nvme)]
+    code, log, _ = run(args + ["--save-every", "100", "--term-at", "3"], timeout=120)
+    assert code == wd.PREEMPTED_EXIT and "saved step 4" in log, log
+    code, log, _ = run(args, timeout=120)
+    assert code == 0 and "resumed from step 4" in log, log
+    assert_equal_to(reference, out)  # the host's AdamW against the device's: within 1e-6
+
+
 def test_the_named_preemption_signal_saves_like_sigterm(tmp_path):
     """SLURM's --signal=USR1@60: ZeroConfig.preemption_signal="SIGUSR1" makes SIGUSR1 a preemption notice."""
     ckpt = str(tmp_path / "ckpt")

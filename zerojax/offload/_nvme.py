@@ -199,11 +199,19 @@ class NvmeOptimizerStore:
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="nvme-write")
 
     # -- public ------------------------------------------------------------------------
-    def init(self, params_flat: np.ndarray, extra: Optional[dict] = None) -> None:
+    def init(self, params_flat, extra: Optional[dict] = None) -> None:
         """Starts from ``params_flat`` (cast to fp32) with zero moments; commits count 0
-        (``extra``: more fields for the marker, see :meth:`step`)."""
-        params_flat = np.asarray(params_flat).reshape(-1)
-        self._check_size(params_flat, "params_flat")
+        (``extra``: more fields for the marker, see :meth:`step`). ``params_flat`` is a flat
+        array, or a function ``fill(a, b, out)`` writing elements ``[a, b)`` into the fp32 ``out``
+        (so the whole state never has to be in memory at once)."""
+        if callable(params_flat):
+            fill = params_flat
+        else:
+            flat = np.asarray(params_flat).reshape(-1)
+            self._check_size(flat, "params_flat")
+
+            def fill(a, b, out):
+                np.copyto(out, flat[a:b], casting="same_kind")
         dst = 0 if self._slot is None else 1 - self._slot
         for fd in self._fds:  # reserve the space now so a full disk shows up here
             try:
@@ -217,7 +225,7 @@ class NvmeOptimizerStore:
                 buf = self._bufs[i % 3]
                 if i >= 3:
                     writes[i - 3].result()
-                np.copyto(buf[0, :b - a], params_flat[a:b], casting="same_kind")
+                fill(a, b, buf[0, :b - a])
                 buf[1:, :b - a] = 0
                 buf16 = self._bufs16[i % 3]
                 if buf16 is not None:

@@ -21,6 +21,7 @@ reads them back.
 """
 from __future__ import annotations
 
+import math
 import os
 from typing import Callable
 
@@ -159,16 +160,15 @@ class HostLoopStep(StepBase):
         at = int(state.step)
         if at == 0 and params_held(state.params):
             # a fresh state: the store starts from its params (a store left in the path by another run is replaced)
-            leaves = (self._disk_params(state.params) if self.disk is not None
-                      else placement.params_logical(plan, state.params))
-            flat = self.layout.fill(np.empty(n, np.float32), leaves)
+            fill = self._param_filler(state.params)
             if isinstance(self.store, NvmeOptimizerStore):
-                self.store.init(flat, self._extra(0))
+                self.store.init(fill, self._extra(0))
                 self._taken(0)
             else:
-                self.store.init(flat)
-            del flat, leaves
-            release()  # the whole-model fp32 copy init wrote from
+                self.store.init(self.layout.fill(np.empty(n, np.float32), self._disk_params(state.params)
+                                                 if self.disk is not None else placement.params_logical(plan, state.params)))
+            del fill
+            release()
         else:  # a state a step returned, or a checkpoint restored: go on from what the store committed for it
             self._resume(state)
         if self.disk is not None:
@@ -238,6 +238,35 @@ class HostLoopStep(StepBase):
         marker = self.store.reload()
         if marker is None or marker.get("generation") != self._generation or int(state.step) != self._at:
             self._resume(state)
+
+    def _param_filler(self, params):
+        """``fill(a, b, out)``: elements ``[a, b)`` of the store's flat params (fp32) from the
+        state's params, one leaf brought to the host at a time (the store's sub-groups go in
+        order), so the init never holds a whole copy of the model."""
+        plan, layout = self.plan, self.layout
+        leaves = plan.treedef.flatten_up_to(params)
+        current = {}
+
+        def leaf(i):
+            if i not in current:
+                current.clear()
+                lay, x = plan.leaves[i], leaves[i]
+                if self.disk is not None:
+                    x = np.moveaxis(np.asarray(x), lay.axis, 0) if lay.params_partitioned else np.asarray(x)
+                else:
+                    x = np.asarray(placement.unpad(x, lay) if lay.params_partitioned else x)
+                current[i] = np.ascontiguousarray(x).reshape(-1)
+            return current[i]
+
+        def fill(a, b, out):
+            for i, (off, shape) in enumerate(zip(layout.offsets, layout.shapes)):
+                end = off + math.prod(shape)
+                if end <= a or off >= b:
+                    continue
+                lo, hi = max(a, off), min(b, end)
+                np.copyto(out[lo - a:hi - a], leaf(i)[lo - off:hi - off], casting="same_kind")
+
+        return fill
 
     def _disk_params(self, params) -> list:
         """The stored params (arrays, in the plan's storage layout) as disk-layout host views."""

@@ -240,7 +240,7 @@ def restore_outside(step_dir: str, meta: dict, target: TrainState, at: int) -> d
     from zerojax.offload._nvme import NvmeOptimizerStore, _validate_dir
     from zerojax.update._recognize import StepSettings
     from zerojax.offload._nvme_step import store_layout, store_path
-    from zerojax.checkpoint._format import STATE
+    from zerojax.checkpoint._format import STATE, verify
 
     plan, tx, cfg = target.plan, target.tx, target.plan.config
     opt = _recognized(plan, tx, "restore")
@@ -273,6 +273,7 @@ def restore_outside(step_dir: str, meta: dict, target: TrainState, at: int) -> d
                 else:
                     dest = whole
                 sums[key] = _stream(state_dir, key, tuple(lay.shape), dest, ctx)
+                verify(meta, {key: sums[key]}, step_dir)  # a damaged leaf: nothing is committed
             if "params" in regions:  # ZeRO-Infinity's 16-bit params, rounded from the master
                 src = _leaf_view(plan, layout, None, regions["master"], i)
                 dst = _leaf_view(plan, layout, None, regions["params"], i)

@@ -275,7 +275,7 @@ def test_state_carries_only_params_and_checkpoints_round_trip(tmp_path):
     restored, _ = manager.restore(zen_state(params, block, precision="bf16"), 3)
     for a, b in zip(jax.tree_util.tree_leaves(restored.params), jax.tree_util.tree_leaves(state.params)):
         assert np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
-    resumed = zj.make_train_step(loss_fn, restored)  # a new run starts its moments from zero
+    resumed = zj.make_train_step(loss_fn, restored)  # takes up the engine state saved with the step
     restored, m = resumed(restored, batches(4)[3])
     assert np.isfinite(float(m["loss"]))
     resumed.close()

@@ -25,7 +25,8 @@ On-disk layout (plain Orbax; ``orbax.checkpoint`` alone restores it)::
                                       directory and renamed when complete)
         state/                        PyTree item (OCDBT): {"params": {...}, "opt_state": {...},
                                       "step": i32[], "loss_scale": {...}, "rng": u32[2]}; nested
-                                      dicts keyed by the tree path's parts ("opt_state/0/mu/emb")
+                                      dicts keyed by the tree path's parts ("opt_state/0/mu/emb");
+                                      a ZenFlow run's engine under "zenflow" (_zenflow_state.py)
         zerojax/metadata              JSON: format, logical shape and dtype per leaf, per-leaf
                                       checksums, the saving run's stage / mesh / process
                                       count / precision, the data state's digest ("files")
@@ -82,6 +83,8 @@ from zerojax._errors import CheckpointError
 from zerojax._plan import LeafLayout, ZeroPlan, path_str
 from zerojax._state import TrainState, state_shardings
 from zerojax.checkpoint._outside import check_outside_target, keeps_outside, outside_tree, restore_outside
+from zerojax.checkpoint._zenflow_state import KEY as ENGINE
+from zerojax.checkpoint._zenflow_state import keeps_engine, restore_zenflow, zenflow_tree
 from zerojax.offload._nvme_step import placeholders
 
 __all__ = ["FORMAT", "logical_tree"]
@@ -240,7 +243,7 @@ def _save_program(plan: ZeroPlan, tx, with_master: bool, opt, scaler_keys, check
 def logical_tree(state: TrainState, doing: str = "save"):
     """(tree, metadata) written for ``state``: see the module docstring. Leaves stay split."""
     plan = state.plan
-    if keeps_outside(plan):  # the optimizer state is in the NVMe store: the tree is read from its files
+    if keeps_outside(plan) or keeps_engine(plan):  # the NVMe store's files, ZenFlow's buffers
         return _outside_logical_tree(state, doing)
     # the fp32 master when the state has one (not when the step keeps it: NVMe, ZenFlow)
     with_master = state.master is not None
@@ -271,7 +274,11 @@ def logical_tree(state: TrainState, doing: str = "save"):
 
 def _outside_logical_tree(state: TrainState, doing: str):
     plan = state.plan
-    params, opt_flat, meta_opt, sums = outside_tree(state, doing)
+    engine = None
+    if keeps_engine(plan):  # ZenFlow: the one format, and the engine's exact state beside it
+        params, opt_flat, meta_opt, sums, engine, arrays = zenflow_tree(state, doing)
+    else:
+        params, opt_flat, meta_opt, sums = outside_tree(state, doing)
     meta = {
         "format": FORMAT,
         "saved_with": {"stage": plan.stage, "devices": plan.n, "processes": jax.process_count(),
@@ -282,6 +289,8 @@ def _outside_logical_tree(state: TrainState, doing: str):
     }
     tree = {"params": nest(params), "opt_state": nest(opt_flat), "step": state.step,
             "loss_scale": _scaler_dict(state.loss_scale), "rng": state.rng}
+    if engine is not None:
+        meta[ENGINE], tree[ENGINE] = engine, nest(arrays)
     return tree, meta
 
 
@@ -439,6 +448,9 @@ def restore_state(step_dir: str, meta: dict, target: TrainState, read, budget: i
     (:func:`read_groups`) with ``read(step_dir, item, restore_args)``; the leaves larger than a
     group (:func:`in_pieces`) are read box by box through tensorstore first. A target keeping
     its optimizer state in the NVMe store gets it there (:mod:`._outside`)."""
+    if keeps_engine(target.plan):  # ZenFlow: the params here, the engine's state handed to its step
+        return restore_zenflow(step_dir, meta, target, lambda m: _restore_state(step_dir, m, target, read, budget),
+                               MISMATCH)
     if keeps_outside(target.plan):
         check_outside_target(meta, target.plan, target.tx, MISMATCH)
         on_disk = target.plan.config.offload_param == "nvme"  # ZeRO-Infinity: the params go to the store only

@@ -26,6 +26,7 @@ from zerojax.checkpoint._format import (DATA, META, MISMATCH, SAFETENSORS_16BIT,
                                        restore_state, verify)
 from zerojax.checkpoint._integrity import portable, seal
 from zerojax.checkpoint._outside import keeps_outside
+from zerojax.checkpoint._zenflow_state import keeps_engine
 from zerojax.checkpoint._pieces import CHUNK_BYTES
 from zerojax.checkpoint._steps import _scan, partial_dirs, pick_step, read_data, read_meta, read_state
 from zerojax._errors import CheckpointError, ConfigError, ZeroJaxError, ZeroJaxWarning
@@ -279,9 +280,9 @@ class CheckpointManager:
         _watchdog.record("save begun", detail=f"step {step}")
         with _watchdog.armed("save"):
             saved = self._guard(step, lambda: self._mngr.save(step, args=args, metrics=metrics, force=True))
-        if keeps_outside(state.plan):
-            # the write reads the NVMe store's committed slot, which the step after next rewrites: it
-            # finishes before save returns
+        if keeps_outside(state.plan) or keeps_engine(state.plan):
+            # the write reads the NVMe store's committed slot, which the step after next rewrites, or
+            # ZenFlow's host buffers, which the next step changes: it finishes before save returns
             self._settle()
         if saved and state.plan.config.gather_16bit_weights_on_model_save:
             cdt = np.dtype(state.plan.compute_dtype)

@@ -35,7 +35,7 @@ from zerojax._errors import CheckpointError
 from zerojax._plan import ZeroPlan, path_str
 from zerojax._state import TrainState, params_held
 
-__all__ = ["keeps_outside", "outside_tree", "restore_outside"]
+__all__ = ["format_leaves", "keeps_outside", "outside_tree", "restore_outside"]
 
 _SLOT_REGIONS = ("m", "v")  # the store's regions holding the optimizer's slots, in order
 _PIECE = 64 << 20  # bytes a piece of a leaf moved between a checkpoint and the store
@@ -180,6 +180,13 @@ def outside_tree(state: TrainState, doing: str):
             f"{doing}: this state is at step {at} and its optimizer state lives in {path} "
             f"(offload_optimizer='nvme'), which holds {what}: a checkpoint would mix two steps. Fix: save the state "
             "the last step returned, before another step or a restore rewrites the store")
+    return format_leaves(plan, tx, opt, master, slots, settings, count)
+
+
+def format_leaves(plan: ZeroPlan, tx, opt, master: list, slots: list, settings, count: int):
+    """(params, optimizer leaves, their metadata, checksums) of the one format every tier writes,
+    from the fp32 master's leaves, the optimizer's slots (one list of params-shaped numpy leaves
+    per slot), the injected settings' shadow leaves (or None) and the applied-update count."""
     shadow = _shadow(tx, opt, settings, count)
     slot_trees = [plan.treedef.unflatten(leaves) for leaves in slots]
     tree = _full_tree(plan, tx, opt, shadow, slot_trees)

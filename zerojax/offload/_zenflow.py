@@ -36,10 +36,15 @@ Counters are Python integers: nothing saturates.
         state, metrics = step(state, batch)
     step.end_epoch()                                 # for select_strategy epoch / auto
     step.finish(state)                               # waits for the host, applies pending grads
+
+A checkpoint of the state the step returned holds the step's own state too (accumulators, a host
+update in flight, selection, counters) and a step built from the restored state goes on exactly:
+see :mod:`zerojax.checkpoint._zenflow_state`.
 """
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -54,7 +59,7 @@ from jax.sharding import PartitionSpec as P
 import zerojax._placement as placement
 from zerojax.config._checks import zenflow_block
 from zerojax._contract import StepBase, check_state
-from zerojax._errors import ConfigError
+from zerojax._errors import ConfigError, StateError
 from zerojax.offload._flat import FlatLayout
 from zerojax.offload._host_buffers import host_zeros
 from zerojax.offload._host_rule import HostOptimizer
@@ -64,6 +69,7 @@ from zerojax.update._pipeline import check_gradients, step_metrics
 from zerojax.update._recognize import StepSettings, direction, recognize, refuse
 
 AUTO_MAX_INTERVAL = 64  # "auto" fires at least this often
+_TICKS = itertools.count()  # orders the engines' steps (a checkpoint reads the latest engine of a step)
 
 
 def _accumulate(acc: np.ndarray, g: np.ndarray) -> None:
@@ -74,6 +80,14 @@ def _accumulate(acc: np.ndarray, g: np.ndarray) -> None:
         np.add(acc, wide, out=acc)
     else:
         np.add(acc, g, out=acc, casting="same_kind")
+
+
+def split_leaves(plan, k: float) -> tuple[list, list, list]:
+    """(2-D weights, other leaves, selected rows per 2-D weight) of a plan, as leaf indices: the
+    2-D weights get the selective treatment, every other leaf is updated on the device."""
+    mat = [i for i, lay in enumerate(plan.leaves) if len(lay.shape) == 2 and lay.shape[0] > 1]
+    vec = [i for i in range(len(plan.leaves)) if i not in mat]
+    return mat, vec, [max(1, math.ceil(k * plan.leaves[i].shape[0])) for i in mat]
 
 
 def zenflow_settings(block: Optional[dict]) -> dict:
@@ -119,10 +133,7 @@ class ZenFlowStep(StepBase):
         self.overlap = bool(self.z["overlap_step"])
         cdt = plan.compute_dtype
         self.cdt = cdt
-        # 2-D weights get the selective treatment; every other leaf is updated on the device
-        self.mat = [i for i, lay in enumerate(plan.leaves) if len(lay.shape) == 2 and lay.shape[0] > 1]
-        self.vec = [i for i in range(len(plan.leaves)) if i not in self.mat]
-        self.topk = [max(1, math.ceil(self.k * plan.leaves[i].shape[0])) for i in self.mat]
+        self.mat, self.vec, self.topk = split_leaves(plan, self.k)
         # the optimizer without its learning rate, which is applied per step (schedules): the
         # user's optimizer is this direction followed by scaling with -lr
         self.dev_tx = direction(opt, hp)
@@ -166,7 +177,14 @@ class ZenFlowStep(StepBase):
         self._mass_steps = 0
         self.auto_fired = 0
         self.important = {}
+        self.count_base = 0  # applied updates before this engine's first step (a restored run's)
+        self.state_step: Optional[int] = None  # the TrainState step this engine's state belongs to
+        self.resumed_at: Optional[int] = None  # a restore loaded the state of this step: the next one given
+        self.closed = False
         self._build(loss_fn, has_aux)
+        # checkpoints: a save finds this engine by its plan; a restore's engine state is taken up here
+        from zerojax.checkpoint._zenflow_state import attach
+        attach(self, state)
 
     # ------------------------------------------------------------------ helpers
     def _master_from(self, params) -> None:
@@ -329,6 +347,10 @@ class ZenFlowStep(StepBase):
             return self.epochs_since_select >= interval
         return self.since_select >= interval
 
+    def belongs_to(self, at: int) -> None:
+        """This engine's state is now that of TrainState step ``at`` (what a checkpoint checks)."""
+        self.state_step, self._ckpt_tick = at, next(_TICKS)
+
     def end_epoch(self) -> None:
         """Tell ZenFlow an epoch ended (select_strategy 'epoch' and 'auto' reselect per epoch)."""
         self.epochs_since_select += 1
@@ -356,6 +378,12 @@ class ZenFlowStep(StepBase):
 
     def __call__(self, state: TrainState, batch):
         self._check(state, batch)
+        at = int(state.step)
+        if self.resumed_at is not None and at != self.resumed_at:
+            raise StateError(f"this ZenFlow step holds the optimizer state restored for step {self.resumed_at}, "
+                             f"but the state given is at step {at}: it would train on another step's moments. "
+                             "Fix: step the state the restore returned")
+        self.resumed_at = None
         params = state.params
         if self.dev is None:
             self.dev = self._init_dev(params)
@@ -377,6 +405,7 @@ class ZenFlowStep(StepBase):
         lr = float(hp["learning_rate"])
         params, self.dev, grads, metrics = self._device_step(params, self.dev, batch, rng, jnp.float32(lr),
                                                              reselect=reselect, warm=warm)
+        self.belongs_to(at + 1)
         if bool(metrics["checked"].skip):  # nothing changed: no gradient goes to the host
             new_state = state.replace(step=state.step + 1, params=params)
             out = self._metrics(metrics, lr)
@@ -424,7 +453,7 @@ class ZenFlowStep(StepBase):
 
     def finish(self, state: TrainState) -> TrainState:
         """Wait for the host, apply every accumulated gradient, and return the up-to-date state
-        (call before evaluating or saving a checkpoint)."""
+        (call before evaluating; a checkpoint needs no finish, it saves what is pending)."""
         check_state(self.plan, state)
         params = self._launch(state.params, sync=True)  # waits for the pending update first
         self._drain()
@@ -432,6 +461,7 @@ class ZenFlowStep(StepBase):
         return state.replace(params=params)
 
     def close(self) -> None:
+        self.closed = True
         self._executor.shutdown(wait=True)
         self.host_opt.close()
 
@@ -442,4 +472,4 @@ class ZenFlowStep(StepBase):
             pass
 
 
-__all__ = ["ZenFlowStep", "zenflow_settings", "AUTO_MAX_INTERVAL"]
+__all__ = ["ZenFlowStep", "split_leaves", "zenflow_settings", "AUTO_MAX_INTERVAL"]

@@ -28,6 +28,8 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import zerojax._placement as placement
 from zerojax.runtime import _watchdog
@@ -39,6 +41,7 @@ from zerojax.offload._host_rule import HostOptimizer
 from zerojax.offload._nvme import NvmeOptimizerStore, _validate_dir
 from zerojax.offload._nvme_muon import MuonHost
 from zerojax.offload._nvme_params import DiskLayout, NvmeSource, ParamReader, local_devices
+from zerojax.offload._shards import ShardLayout
 from zerojax.stages._gradients import grads_fn
 from zerojax.stages._muon import muon_recipe
 from zerojax._state import TrainState, params_held
@@ -56,6 +59,8 @@ def store_layout(plan):
     params region or None): with ``offload_param="nvme"`` each leaf in its disk layout (split
     dimension first, padded) and the 16-bit params beside the state; else the user's shapes."""
     cdt = plan.compute_dtype
+    if jax.process_count() > 1:
+        return ShardLayout.of(plan), None, None
     if plan.config.offload_param == "nvme":
         disk = DiskLayout.of(plan)
         return disk.flat, disk, (jnp.dtype(cdt) if cdt != jnp.float32 else None)
@@ -118,12 +123,23 @@ class HostLoopStep(StepBase):
         self.cdt = plan.compute_dtype
         # params on NVMe: the flat order is each leaf's disk layout (split dim first), else the user's shapes
         self.layout, self.disk, params16 = store_layout(plan)
-        if jax.process_count() > 1:
-            # the host update reads every gradient and writes every param on this process
-            raise ConfigError(f"offload_optimizer={cfg.offload_optimizer!r} runs its host update in one process "
-                              f"(this job has {jax.process_count()}): the NVMe store is not split over processes. "
-                              "Fix: run one process per machine over all its devices, or use offload_optimizer "
-                              "'cpu'")
+        # several processes: each keeps its own devices' partitions in its own store (ShardLayout)
+        self.shards = isinstance(self.layout, ShardLayout)
+        if self.shards and (self.disk is not None or cfg.offload_param == "nvme"):
+            raise ConfigError(f"offload_param='nvme' runs in one process (this job has {jax.process_count()}): each "
+                              "device reads its params from the one store's files. Fix: run one process per machine "
+                              "over all its devices, or use offload_param 'cpu' (the optimizer state stays on NVMe, "
+                              "each process keeping its own partitions)")
+        master_sh = [s.with_memory_kind("device") if s.memory_kind not in (None, "device") else s
+                     for s in plan.treedef.flatten_up_to(plan.master_shardings)]
+        self._to_master = jax.jit(  # the params as fp32 in the update layout (a ShardLayout's source)
+            lambda p: plan.treedef.flatten_up_to(placement.to_storage(plan, plan.treedef.unflatten(
+                [x.astype(jnp.float32) for x in placement.params_logical(plan, p)]))),
+            out_shardings=master_sh)
+        if self.shards and opt is None:
+            raise ConfigError(f"Muon with offload_optimizer='nvme' runs in one process (this job has "
+                              f"{jax.process_count()}). Fix: run one process per machine, or offload Muon's state "
+                              "to 'cpu'")
         others = {a: k for a, k in plan.mesh.shape.items() if a != plan.data_axis and k > 1}
         if self.disk is not None and others:
             raise ConfigError(f"offload_param='nvme' splits each param over the data axis only; the mesh also splits "
@@ -160,7 +176,7 @@ class HostLoopStep(StepBase):
         at = int(state.step)
         if at == 0 and params_held(state.params):
             # a fresh state: the store starts from its params (a store left in the path by another run is replaced)
-            fill = self._param_filler(state.params)
+            fill = self._shard_filler(state.params) if self.shards else self._param_filler(state.params)
             if isinstance(self.store, NvmeOptimizerStore):
                 self.store.init(fill, self._extra(0))
                 self._taken(0)
@@ -184,12 +200,16 @@ class HostLoopStep(StepBase):
             if self.disk is not None:  # the gradients in the params' disk layout (zeros where padded)
                 leaves = [self.disk.to_disk(lay, placement.pad(x, lay)) if lay.params_partitioned else x
                           for lay, x in zip(plan.leaves, leaves)]
+            elif self.shards:  # the update layout: each process reads its own devices' partitions
+                leaves = plan.treedef.flatten_up_to(placement.to_storage(plan, plan.treedef.unflatten(leaves)))
             return leaves, loss, checked._replace(grads=None)
 
         def place(leaves):
+            if self.shards:  # update layout -> the params' layout
+                leaves = [placement.unpad(x, lay) for lay, x in zip(plan.leaves, leaves)]
             return placement.params_stored(plan, [x.astype(self.cdt) for x in leaves])
 
-        self._device = jax.jit(device)
+        self._device = jax.jit(device, out_shardings=(master_sh, None, None)) if self.shards else jax.jit(device)
         self._place = jax.jit(place, out_shardings=plan.param_shardings)
 
     # -- the store's committed state and the TrainState it belongs to ---------------------------
@@ -238,6 +258,15 @@ class HostLoopStep(StepBase):
         marker = self.store.reload()
         if marker is None or marker.get("generation") != self._generation or int(state.step) != self._at:
             self._resume(state)
+
+    def _shard_filler(self, params):
+        """``fill(a, b, out)`` over this process's partitions (:class:`ShardLayout`) of the params."""
+        flat = self.layout.fill(np.empty(self.layout.total, np.float32), self._to_master(params))
+
+        def fill(a, b, out):
+            np.copyto(out, flat[a:b])
+
+        return fill
 
     def _param_filler(self, params):
         """``fill(a, b, out)``: elements ``[a, b)`` of the store's flat params (fp32) from the
@@ -322,7 +351,8 @@ class HostLoopStep(StepBase):
             _watchdog.record("host update", detail="nvme")
             if self.disk is None:
                 flat = self.out16 if self.out16 is not None else self.store.read_master()
-                state = state.replace(params=self._place(self.layout.views(flat)))
+                leaves = self.layout.arrays(flat) if self.shards else self.layout.views(flat)
+                state = state.replace(params=self._place(leaves))
         elif isinstance(self.store, NvmeOptimizerStore):  # no update: the committed state now belongs to the next step
             self.store.annotate(self._extra(int(state.step) + 1, self.store.marker.get("since")))
         if isinstance(self.store, NvmeOptimizerStore):
@@ -343,7 +373,11 @@ class HostLoopStep(StepBase):
         """The params as the user's tree (logical shapes, numpy), read from the files when
         they live there (``offload_param="nvme"``), else from the fp32 master in the store."""
         plan = self.plan
-        if self.disk is None:
+        if self.shards:  # every process's partitions, gathered on every process
+            whole = jax.jit(lambda ls: [placement.unpad(x, lay) for lay, x in zip(plan.leaves, ls)],
+                            out_shardings=NamedSharding(plan.mesh, P()))(self.layout.arrays(self.store.read_master()))
+            leaves = [np.asarray(x.addressable_data(0)) for x in whole]
+        elif self.disk is None:
             flat = self.store.read_master()
             leaves = jax.tree_util.tree_leaves(self.layout.views(flat))
         else:

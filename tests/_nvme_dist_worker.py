@@ -1,9 +1,9 @@
 """Subprocess side of tests/runtime/test_nvme_processes.py: NVMe offload on several processes.
 
-    _nvme_dist_worker.py OUT STAGE NVME [CKPT]
+    _nvme_dist_worker.py OUT STAGE NVME [CKPT [resume]]
         trains STEPS steps of STAGE with offload_optimizer="nvme" under NVME (each process its own
-        store), saves step STEPS // 2 to CKPT when given; rank 0 writes OUT/result.npz (losses and
-        the fp32 params)
+        store), saves step STEPS // 2 to CKPT when given (with "resume": restores CKPT's newest
+        step first and trains the rest); rank 0 writes OUT/result.npz (losses and fp32 params)
 Run under ``zerojax launch --nproc 2 --devices-per-proc 4`` or alone (one process, 8 devices).
 """
 import os
@@ -42,16 +42,21 @@ def local_rows(batch: dict) -> dict:
     return {k: v[i * per:(i + 1) * per] for k, v in batch.items()}
 
 
-def main(out: str, stage: int, nvme: str, ckpt: str | None = None) -> None:
+def main(out: str, stage: int, nvme: str, ckpt: str | None = None, mode: str = "save") -> None:
     zj.distributed.initialize()
     mesh = zj.make_mesh()
     state = zj.shard_train_state(init_params(jax.random.PRNGKey(0)), tx(), mesh=mesh, config=config(stage, nvme))
+    if mode == "resume":
+        with zj.CheckpointManager(ckpt) as mngr:
+            state, _ = mngr.restore(state)
     losses = []
     with zj.make_train_step(loss_fn, state) as step:
         for i, b in enumerate(batches(STEPS, batch_size=ROWS)):
+            if i < int(state.step):
+                continue
             state, m = step(state, zj.distributed.shard_batch(local_rows(b), mesh))
             losses.append(float(m["loss"]))
-            if ckpt and i + 1 == STEPS // 2:
+            if ckpt and mode == "save" and i + 1 == STEPS // 2:
                 with zj.CheckpointManager(ckpt) as mngr:
                     mngr.save(i + 1, state)
         params = step.full_params(np.float32)
@@ -63,4 +68,4 @@ def main(out: str, stage: int, nvme: str, ckpt: str | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4] if len(sys.argv) > 4 else None)
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3], *sys.argv[4:6])

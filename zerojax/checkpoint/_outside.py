@@ -34,6 +34,7 @@ import zerojax.checkpoint._pieces as _pieces
 from zerojax._errors import CheckpointError
 from zerojax._plan import ZeroPlan, path_str
 from zerojax._state import TrainState, params_held
+from zerojax.offload._shards import ShardLayout
 
 __all__ = ["format_leaves", "keeps_outside", "outside_tree", "restore_outside"]
 
@@ -164,15 +165,27 @@ def outside_tree(state: TrainState, doing: str):
     at = int(state.step)
     layout, disk, _ = store_layout(plan)
     held = None if marker is None else marker.get("state_step")
+    shards = isinstance(layout, ShardLayout)  # several processes: each its own partitions
     if held is not None and marker.get("since", held) <= at <= held:
         regions = committed_regions(path, marker)
-        master = [_leaf_view(plan, layout, disk, regions["master"], i) for i in range(len(plan.leaves))]
-        slots = [[_leaf_view(plan, layout, disk, regions[r], i) for i in range(len(plan.leaves))]
-                 for r in _SLOT_REGIONS[:len(opt.slots)]]
+        if shards:  # global arrays of the update layout, each process's shards from its own store
+            master = layout.arrays(regions["master"])
+            slots = [layout.arrays(regions[r]) for r in _SLOT_REGIONS[:len(opt.slots)]]
+        else:
+            master = [_leaf_view(plan, layout, disk, regions["master"], i) for i in range(len(plan.leaves))]
+            slots = [[_leaf_view(plan, layout, disk, regions[r], i) for i in range(len(plan.leaves))]
+                     for r in _SLOT_REGIONS[:len(opt.slots)]]
         count, settings = int(marker["count"]), marker.get("settings")
     elif at == 0 and params_held(state.params):  # no step has run: what the step's store would start from
-        master = [np.asarray(x, np.float32) for x in placement.params_logical(plan, state.params)]
-        slots = [[np.zeros(lay.shape, np.float32) for lay in plan.leaves] for _ in opt.slots]
+        if shards:
+            master = jax.jit(lambda p: [placement.pad(x.astype(jnp.float32), lay) if plan.opt_partitioned(lay)
+                                        else x.astype(jnp.float32) for lay, x in
+                                        zip(plan.leaves, placement.params_logical(plan, p))],
+                             out_shardings=list(layout.shardings))(state.params)
+            slots = [[jnp.zeros_like(x) for x in master] for _ in opt.slots]
+        else:
+            master = [np.asarray(x, np.float32) for x in placement.params_logical(plan, state.params)]
+            slots = [[np.zeros(lay.shape, np.float32) for lay in plan.leaves] for _ in opt.slots]
         count, settings = 0, None
     else:
         what = "nothing" if held is None else f"the optimizer state of step {held}"
@@ -191,16 +204,19 @@ def format_leaves(plan: ZeroPlan, tx, opt, master: list, slots: list, settings, 
     slot_trees = [plan.treedef.unflatten(leaves) for leaves in slots]
     tree = _full_tree(plan, tx, opt, shadow, slot_trees)
     mirrors, _ = _slot_paths(plan, tx, opt)
-    opt_flat = {path_str(p): (x if isinstance(x, np.ndarray) else np.asarray(jax.device_get(x)))
+    # the slots as given (memory maps, or global arrays of several processes); the counts and settings on the host
+    opt_flat = {path_str(p): (x if path_str(p) in mirrors else np.asarray(jax.device_get(x)))
                 for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
     params = {lay.path: x for lay, x in zip(plan.leaves, master)}
     meta_opt = {}
     for p, x in opt_flat.items():
         lay = plan.leaves[mirrors[p][1]] if p in mirrors else None
-        meta_opt[p] = {"shape": list(x.shape), "dtype": np.dtype(x.dtype).name,
+        meta_opt[p] = {"shape": list(lay.shape if lay is not None else x.shape), "dtype": np.dtype(x.dtype).name,
                        "mirrors": None if lay is None else lay.path}
-    sums = {**{"params/" + k: _checksum(v) for k, v in params.items()},
-            **{"opt_state/" + k: _checksum(v) for k, v in opt_flat.items()}}
+    named = {**{"params/" + k: v for k, v in params.items()}, **{"opt_state/" + k: v for k, v in opt_flat.items()}}
+    on_devices = {k: v for k, v in named.items() if isinstance(v, jax.Array)}  # summed over every process
+    sums = {**_pieces.host_checksums(on_devices),
+            **{k: _checksum(v) for k, v in named.items() if k not in on_devices}}
     return params, opt_flat, meta_opt, sums
 
 
@@ -247,7 +263,7 @@ def restore_outside(step_dir: str, meta: dict, target: TrainState, at: int) -> d
     from zerojax.offload._nvme import NvmeOptimizerStore, _validate_dir
     from zerojax.update._recognize import StepSettings
     from zerojax.offload._nvme_step import store_layout, store_path
-    from zerojax.checkpoint._format import STATE, verify
+    from zerojax.checkpoint._format import STATE
 
     plan, tx, cfg = target.plan, target.tx, target.plan.config
     opt = _recognized(plan, tx, "restore")
@@ -268,6 +284,29 @@ def restore_outside(step_dir: str, meta: dict, target: TrainState, at: int) -> d
         settings = [[np.dtype(x.dtype).name, np.asarray(x).tolist()] for x in jax.tree_util.tree_leaves(shadow)]
     layout, disk, p16 = store_layout(plan)
     by_slot = {(k, i): p for p, (k, i) in mirrors.items()}
+    if isinstance(layout, ShardLayout):  # several processes: each reads its own partitions into its store
+        write = _shard_writer(step_dir, meta, plan, layout, opt, by_slot, sums)
+    else:
+        write = _writer(step_dir, meta, plan, layout, disk, opt, by_slot, sums, ctx)
+
+    _validate_dir(cfg.nvme_path)
+    path = store_path(cfg)
+    os.makedirs(path, exist_ok=True)
+    n = layout.total
+    store = NvmeOptimizerStore(path, n, int(min(cfg.sub_group_size, n)), params_dtype=p16)
+    try:
+        store.load(write, count, {"state_step": int(at), "since": int(at), "settings": settings,
+                                  "optimizer": "optax"})
+    finally:
+        store.close()
+    return sums
+
+
+def _writer(step_dir, meta, plan, layout, disk, opt, by_slot, sums, ctx):
+    """``write(regions)`` streaming a checkpoint's leaves into one process's store of the whole state."""
+    from zerojax.checkpoint._format import STATE, verify
+
+    state_dir = os.path.join(step_dir, STATE)
 
     def write(regions):
         for i, lay in enumerate(plan.leaves):
@@ -289,14 +328,38 @@ def restore_outside(step_dir: str, meta: dict, target: TrainState, at: int) -> d
         for k in range(len(opt.slots), len(_SLOT_REGIONS)):  # a region the optimizer does not use
             regions[_SLOT_REGIONS[k]][...] = 0
 
-    _validate_dir(cfg.nvme_path)
-    path = store_path(cfg)
-    os.makedirs(path, exist_ok=True)
-    n = layout.total
-    store = NvmeOptimizerStore(path, n, int(min(cfg.sub_group_size, n)), params_dtype=p16)
-    try:
-        store.load(write, count, {"state_step": int(at), "since": int(at), "settings": settings,
-                                  "optimizer": "optax"})
-    finally:
-        store.close()
-    return sums
+    return write
+
+
+def _shard_writer(step_dir, meta, plan, layout, opt, by_slot, sums):
+    """``write(regions)`` reading each leaf (the param's master and the slots mirroring it) as global
+    arrays of the update layout, each process's shards into its own store."""
+    import orbax.checkpoint as ocp
+
+    from zerojax.checkpoint._format import lookup, nest, verify
+    from zerojax.checkpoint._steps import read_state
+    from zerojax.offload._shards import _key
+
+    def write(regions):
+        for i, lay in enumerate(plan.leaves):
+            keys = [("master", "params/" + lay.path)] + [
+                (_SLOT_REGIONS[k], "opt_state/" + by_slot[(k, i)]) for k in range(len(opt.slots))]
+            want = jax.ShapeDtypeStruct(layout.shapes[i], np.float32, sharding=layout.shardings[i])
+            item = nest({key: want for _, key in keys})
+            args = jax.tree_util.tree_map(lambda s: ocp.ArrayRestoreArgs(
+                sharding=s.sharding, global_shape=s.shape, dtype=s.dtype, strict=False), item)
+            got = read_state(step_dir, item, args)
+            arrays = {key: lookup(got, key) for _, key in keys}
+            part = _pieces.host_checksums(arrays)  # the zero padding adds nothing to a checksum
+            for region, key in keys:
+                sums[key] = part[key]
+                verify(meta, {key: part[key]}, step_dir)  # a damaged leaf: nothing is committed
+                views = dict(layout.views(regions[region], i))
+                for shard in arrays[key].addressable_shards:
+                    k = _key(shard.index, layout.shapes[i])
+                    if k in views:
+                        views[k][...] = np.asarray(shard.data)
+        for k in range(len(opt.slots), len(_SLOT_REGIONS)):
+            regions[_SLOT_REGIONS[k]][...] = 0
+
+    return write

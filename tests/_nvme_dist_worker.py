@@ -1,6 +1,6 @@
 """Subprocess side of tests/runtime/test_nvme_processes.py: NVMe offload on several processes.
 
-    _nvme_dist_worker.py OUT STAGE NVME [CKPT [resume]]
+    _nvme_dist_worker.py OUT STAGE NVME [CKPT [resume]]      STAGE: 1, 2, 3 or infinity
         trains STEPS steps of STAGE with offload_optimizer="nvme" under NVME (each process its own
         store), saves step STEPS // 2 to CKPT when given (with "resume": restores CKPT's newest
         step first and trains the rest); rank 0 writes OUT/result.npz (losses and fp32 params)
@@ -26,9 +26,12 @@ STEPS = 4
 ROWS = 32
 
 
-def config(stage: int, nvme: str):
-    return zj.ZeroConfig(stage=stage, precision="bf16", param_persistence_threshold=0, offload_optimizer="nvme",
-                         nvme_path=nvme, sub_group_size=500)
+def config(stage, nvme: str):
+    """``stage`` 1-3, or "infinity": stage 3 with the params on NVMe too."""
+    params = {"offload_param": "nvme"} if stage == "infinity" else {}
+    return zj.ZeroConfig(stage=3 if stage == "infinity" else int(stage), precision="bf16",
+                         param_persistence_threshold=16, offload_optimizer="nvme", nvme_path=nvme, sub_group_size=500,
+                         **params)
 
 
 def tx():
@@ -42,7 +45,7 @@ def local_rows(batch: dict) -> dict:
     return {k: v[i * per:(i + 1) * per] for k, v in batch.items()}
 
 
-def main(out: str, stage: int, nvme: str, ckpt: str | None = None, mode: str = "save") -> None:
+def main(out: str, stage, nvme: str, ckpt: str | None = None, mode: str = "save") -> None:
     zj.distributed.initialize()
     mesh = zj.make_mesh()
     state = zj.shard_train_state(init_params(jax.random.PRNGKey(0)), tx(), mesh=mesh, config=config(stage, nvme))
@@ -68,4 +71,4 @@ def main(out: str, stage: int, nvme: str, ckpt: str | None = None, mode: str = "
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), sys.argv[3], *sys.argv[4:6])
+    main(sys.argv[1], sys.argv[2], sys.argv[3], *sys.argv[4:6])

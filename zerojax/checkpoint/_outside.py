@@ -165,19 +165,24 @@ def outside_tree(state: TrainState, doing: str):
     at = int(state.step)
     layout, disk, _ = store_layout(plan)
     held = None if marker is None else marker.get("state_step")
-    shards = isinstance(layout, ShardLayout)  # several processes: each its own partitions
+    # several processes: each holds its own partitions (ShardLayout), or its rows of the params' disk layout
+    shards = isinstance(layout, ShardLayout) or (disk is not None and jax.process_count() > 1)
     if held is not None and marker.get("since", held) <= at <= held:
         regions = committed_regions(path, marker)
-        if shards:  # global arrays of the update layout, each process's shards from its own store
-            master = layout.arrays(regions["master"])
-            slots = [layout.arrays(regions[r]) for r in _SLOT_REGIONS[:len(opt.slots)]]
+        if shards:  # global arrays, each process's shards from its own store
+            as_arrays = layout.arrays if disk is None else (lambda flat: _storage_order(disk, disk.global_arrays(flat)))
+            master = as_arrays(regions["master"])
+            slots = [as_arrays(regions[r]) for r in _SLOT_REGIONS[:len(opt.slots)]]
         else:
             master = [_leaf_view(plan, layout, disk, regions["master"], i) for i in range(len(plan.leaves))]
             slots = [[_leaf_view(plan, layout, disk, regions[r], i) for i in range(len(plan.leaves))]
                      for r in _SLOT_REGIONS[:len(opt.slots)]]
         count, settings = int(marker["count"]), marker.get("settings")
     elif at == 0 and params_held(state.params):  # no step has run: what the step's store would start from
-        if shards:
+        if shards and disk is not None:  # the params as they are stored (stage 3), widened
+            master = jax.jit(lambda p: [x.astype(jnp.float32) for x in plan.treedef.flatten_up_to(p)])(state.params)
+            slots = [[jnp.zeros_like(x) for x in master] for _ in opt.slots]
+        elif shards:
             master = jax.jit(lambda p: [placement.pad(x.astype(jnp.float32), lay) if plan.opt_partitioned(lay)
                                         else x.astype(jnp.float32) for lay, x in
                                         zip(plan.leaves, placement.params_logical(plan, p))],
@@ -284,8 +289,8 @@ def restore_outside(step_dir: str, meta: dict, target: TrainState, at: int) -> d
         settings = [[np.dtype(x.dtype).name, np.asarray(x).tolist()] for x in jax.tree_util.tree_leaves(shadow)]
     layout, disk, p16 = store_layout(plan)
     by_slot = {(k, i): p for p, (k, i) in mirrors.items()}
-    if isinstance(layout, ShardLayout):  # several processes: each reads its own partitions into its store
-        write = _shard_writer(step_dir, meta, plan, layout, opt, by_slot, sums)
+    if isinstance(layout, ShardLayout) or (disk is not None and jax.process_count() > 1):
+        write = _shard_writer(step_dir, meta, plan, layout, disk, opt, by_slot, sums)  # each process its own part
     else:
         write = _writer(step_dir, meta, plan, layout, disk, opt, by_slot, sums, ctx)
 
@@ -331,9 +336,17 @@ def _writer(step_dir, meta, plan, layout, disk, opt, by_slot, sums, ctx):
     return write
 
 
-def _shard_writer(step_dir, meta, plan, layout, opt, by_slot, sums):
+def _storage_order(disk, arrays: list) -> list:
+    """Global arrays of the params' disk layout (split dimension first) -> the plan's storage layout."""
+    plan = disk.plan
+    return jax.jit(lambda xs: [disk.from_local(i, x) for i, x in enumerate(xs)],
+                   out_shardings=[disk.storage_sharding(i) for i in range(len(plan.leaves))])(arrays)
+
+
+def _shard_writer(step_dir, meta, plan, layout, disk, opt, by_slot, sums):
     """``write(regions)`` reading each leaf (the param's master and the slots mirroring it) as global
-    arrays of the update layout, each process's shards into its own store."""
+    arrays (the update layout; with the params on NVMe, their storage layout), each process's shards
+    into its own store."""
     import orbax.checkpoint as ocp
 
     from zerojax.checkpoint._format import lookup, nest, verify
@@ -344,7 +357,11 @@ def _shard_writer(step_dir, meta, plan, layout, opt, by_slot, sums):
         for i, lay in enumerate(plan.leaves):
             keys = [("master", "params/" + lay.path)] + [
                 (_SLOT_REGIONS[k], "opt_state/" + by_slot[(k, i)]) for k in range(len(opt.slots))]
-            want = jax.ShapeDtypeStruct(layout.shapes[i], np.float32, sharding=layout.shardings[i])
+            if disk is None:
+                want = jax.ShapeDtypeStruct(layout.shapes[i], np.float32, sharding=layout.shardings[i])
+            else:
+                shape = lay.storage_shape if lay.params_partitioned else lay.shape
+                want = jax.ShapeDtypeStruct(tuple(shape), np.float32, sharding=disk.storage_sharding(i))
             item = nest({key: want for _, key in keys})
             args = jax.tree_util.tree_map(lambda s: ocp.ArrayRestoreArgs(
                 sharding=s.sharding, global_shape=s.shape, dtype=s.dtype, strict=False), item)
@@ -354,6 +371,11 @@ def _shard_writer(step_dir, meta, plan, layout, opt, by_slot, sums):
             for region, key in keys:
                 sums[key] = part[key]
                 verify(meta, {key: part[key]}, step_dir)  # a damaged leaf: nothing is committed
+                if disk is not None:
+                    disk.fill_leaf(regions[region], i, arrays[key], disk_order=False)
+                    if region == "master" and "params" in regions:  # the 16-bit params, rounded from the master
+                        disk.fill_leaf(regions["params"], i, arrays[key], disk_order=False)
+                    continue
                 views = dict(layout.views(regions[region], i))
                 for shard in arrays[key].addressable_shards:
                     k = _key(shard.index, layout.shapes[i])

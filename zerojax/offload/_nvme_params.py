@@ -28,7 +28,10 @@ from typing import Optional, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
+from zerojax._errors import ConfigError
 from zerojax._plan import LeafLayout, ZeroPlan
 from zerojax.offload._flat import FlatLayout
 from zerojax.offload._host_buffers import release
@@ -39,17 +42,31 @@ __all__ = ["DiskLayout", "NvmeSource", "ParamReader"]
 
 @dataclasses.dataclass(frozen=True)
 class DiskLayout:
-    """Per leaf of ``plan``: its shape on disk, and each device's range of it."""
+    """Per leaf of ``plan``: its shape on disk, and each device's range of it.
+
+    A process's store holds the rows of its own devices (data-axis indices ``first`` to
+    ``first + count - 1``) of each split leaf and every leaf kept whole: on one process, everything.
+    """
 
     plan: ZeroPlan
     shapes: tuple  # per leaf: the disk shape
-    flat: FlatLayout  # offsets of the disk shapes in one flat buffer
+    flat: FlatLayout  # offsets of this process's part of each leaf (its rows) in one flat buffer
+    first: int = 0  # this process's first data-axis index
+    count: int = 0  # its devices on the data axis
 
     @classmethod
     def of(cls, plan: ZeroPlan) -> "DiskLayout":
         shapes = tuple(cls._shape(lay) for lay in plan.leaves)
-        flat = FlatLayout.from_tree([jax.ShapeDtypeStruct(s, np.float32) for s in shapes])
-        return cls(plan, shapes, flat)
+        mine = local_devices(plan)
+        first, count = mine[0], len(mine)
+        if mine != list(range(first, first + count)):
+            raise ConfigError(f"offload_param='nvme': this process's devices sit at data-axis indices {mine}, not one "
+                              "run of them, so its rows of each param are not one range of its store. Fix: build the "
+                              "mesh with zj.make_mesh() (each process's devices side by side)")
+        rows = [(s[0] // plan.n * count,) + s[1:] if lay.params_partitioned else s
+                for lay, s in zip(plan.leaves, shapes)]
+        flat = FlatLayout.from_tree([jax.ShapeDtypeStruct(r, np.float32) for r in rows])
+        return cls(plan, shapes, flat, first, count)
 
     @staticmethod
     def _shape(lay: LeafLayout) -> tuple:
@@ -70,10 +87,63 @@ class DiskLayout:
         return (s[0] // self.plan.n,) + s[1:]
 
     def local_range(self, i: int, device: int) -> tuple:
-        """(first element, element count) of leaf ``i``'s part for data-axis index ``device``."""
+        """(first element, element count) in this process's store of leaf ``i``'s part for
+        data-axis index ``device`` (one of this process's)."""
         size = math.prod(self.local_shape(i))
         off = self.flat.offsets[i]
-        return (off + device * size, size) if self.plan.leaves[i].params_partitioned else (off, size)
+        return (off + (device - self.first) * size, size) if self.plan.leaves[i].params_partitioned else (off, size)
+
+    def sharding(self, i: int):
+        """Leaf ``i``'s disk shape split over the data axis on its first dimension (or whole)."""
+        lay, mesh = self.plan.leaves[i], self.plan.mesh
+        spec = P(self.plan.data_axis) if lay.params_partitioned else P()
+        return NamedSharding(mesh, spec)
+
+    def fill_local(self, flat: np.ndarray, leaves, disk_order: bool = True) -> np.ndarray:
+        """This process's rows of ``leaves`` into ``flat``: global arrays in the disk layout (split
+        on dimension 0), or with ``disk_order=False`` in the plan's storage layout (split on the
+        leaf's own axis, moved first here)."""
+        for i, x in enumerate(leaves):
+            self.fill_leaf(flat, i, x, disk_order)
+        return flat
+
+    def fill_leaf(self, flat: np.ndarray, i: int, x, disk_order: bool = True) -> None:
+        """:meth:`fill_local` of leaf ``i`` alone."""
+        lay = self.plan.leaves[i]
+        off, shape = self.flat.offsets[i], self.flat.shapes[i]
+        dest = flat[off:off + math.prod(shape)].reshape(shape)
+        if not lay.params_partitioned:
+            np.copyto(dest, np.asarray(x.addressable_shards[0].data), casting="same_kind")
+            return
+        axis = 0 if disk_order else lay.axis
+        seen = {}
+        for shard in x.addressable_shards:
+            seen.setdefault(shard.index[axis].start or 0, shard)
+        rows = np.concatenate([np.moveaxis(np.asarray(seen[k].data), axis, 0) for k in sorted(seen)], axis=0)
+        np.copyto(dest, rows, casting="same_kind")
+
+    def storage_sharding(self, i: int):
+        """Leaf ``i`` in the plan's storage layout: split over the data axis on its own axis (or whole)."""
+        lay = self.plan.leaves[i]
+        return NamedSharding(self.plan.mesh, lay.spec(lay.params_partitioned, self.plan.data_axis))
+
+    def global_arrays(self, flat: np.ndarray, dtype=None) -> list:
+        """The leaves in the disk layout as global arrays whose shards are this process's rows of ``flat``."""
+        out = []
+        for i in range(len(self.plan.leaves)):
+            off, shape = self.flat.offsets[i], self.flat.shapes[i]
+            mine = flat[off:off + math.prod(shape)].reshape(shape)
+            sharding = self.sharding(i)
+            bufs = []
+            for d, index in sharding.addressable_devices_indices_map(self.shapes[i]).items():
+                if self.plan.leaves[i].params_partitioned:
+                    a = (index[0].start or 0) - self.first * self.local_shape(i)[0]
+                    part = mine[a:a + self.local_shape(i)[0]]
+                else:
+                    part = mine
+                bufs.append(jax.device_put(np.asarray(part, dtype), d))
+            out.append(jax.make_array_from_single_device_arrays(self.shapes[i], sharding, bufs))
+        return out
 
     def from_local(self, i: int, local):
         """A device's part as read (disk order) -> the shard the stage-3 step works on."""

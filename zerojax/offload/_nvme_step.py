@@ -59,9 +59,9 @@ def store_layout(plan):
     params region or None): with ``offload_param="nvme"`` each leaf in its disk layout (split
     dimension first, padded) and the 16-bit params beside the state; else the user's shapes."""
     cdt = plan.compute_dtype
-    if jax.process_count() > 1:
+    if plan.config.offload_param != "nvme" and jax.process_count() > 1:
         return ShardLayout.of(plan), None, None
-    if plan.config.offload_param == "nvme":
+    if plan.config.offload_param == "nvme":  # (on several processes, each holds its own devices' rows)
         disk = DiskLayout.of(plan)
         return disk.flat, disk, (jnp.dtype(cdt) if cdt != jnp.float32 else None)
     return FlatLayout.from_tree([jax.ShapeDtypeStruct(lay.shape, np.float32) for lay in plan.leaves]), None, None
@@ -125,18 +125,14 @@ class HostLoopStep(StepBase):
         self.layout, self.disk, params16 = store_layout(plan)
         # several processes: each keeps its own devices' partitions in its own store (ShardLayout)
         self.shards = isinstance(self.layout, ShardLayout)
-        if self.shards and (self.disk is not None or cfg.offload_param == "nvme"):
-            raise ConfigError(f"offload_param='nvme' runs in one process (this job has {jax.process_count()}): each "
-                              "device reads its params from the one store's files. Fix: run one process per machine "
-                              "over all its devices, or use offload_param 'cpu' (the optimizer state stays on NVMe, "
-                              "each process keeping its own partitions)")
+        self.processes = jax.process_count() > 1
         master_sh = [s.with_memory_kind("device") if s.memory_kind not in (None, "device") else s
                      for s in plan.treedef.flatten_up_to(plan.master_shardings)]
         self._to_master = jax.jit(  # the params as fp32 in the update layout (a ShardLayout's source)
             lambda p: plan.treedef.flatten_up_to(placement.to_storage(plan, plan.treedef.unflatten(
                 [x.astype(jnp.float32) for x in placement.params_logical(plan, p)]))),
             out_shardings=master_sh)
-        if self.shards and opt is None:
+        if self.processes and opt is None:
             raise ConfigError(f"Muon with offload_optimizer='nvme' runs in one process (this job has "
                               f"{jax.process_count()}). Fix: run one process per machine, or offload Muon's state "
                               "to 'cpu'")
@@ -176,7 +172,8 @@ class HostLoopStep(StepBase):
         at = int(state.step)
         if at == 0 and params_held(state.params):
             # a fresh state: the store starts from its params (a store left in the path by another run is replaced)
-            fill = self._shard_filler(state.params) if self.shards else self._param_filler(state.params)
+            fill = (self._shard_filler(state.params) if self.shards or (self.processes and self.disk is not None)
+                    else self._param_filler(state.params))
             if isinstance(self.store, NvmeOptimizerStore):
                 self.store.init(fill, self._extra(0))
                 self._taken(0)
@@ -209,7 +206,13 @@ class HostLoopStep(StepBase):
                 leaves = [placement.unpad(x, lay) for lay, x in zip(plan.leaves, leaves)]
             return placement.params_stored(plan, [x.astype(self.cdt) for x in leaves])
 
-        self._device = jax.jit(device, out_shardings=(master_sh, None, None)) if self.shards else jax.jit(device)
+        if self.shards:
+            self._device = jax.jit(device, out_shardings=(master_sh, None, None))
+        elif self.processes and self.disk is not None:  # each process reads its own rows of the gradients
+            self._device = jax.jit(device, out_shardings=([self.disk.sharding(i) for i in range(len(plan.leaves))],
+                                                          None, None))
+        else:
+            self._device = jax.jit(device)
         self._place = jax.jit(place, out_shardings=plan.param_shardings)
 
     # -- the store's committed state and the TrainState it belongs to ---------------------------
@@ -260,8 +263,13 @@ class HostLoopStep(StepBase):
             self._resume(state)
 
     def _shard_filler(self, params):
-        """``fill(a, b, out)`` over this process's partitions (:class:`ShardLayout`) of the params."""
-        flat = self.layout.fill(np.empty(self.layout.total, np.float32), self._to_master(params))
+        """``fill(a, b, out)`` over this process's partitions of the params (:class:`ShardLayout`, or its
+        rows of the disk layout on several processes)."""
+        flat = np.empty(self.layout.total, np.float32)
+        if self.disk is not None:
+            self.disk.fill_local(flat, self.plan.treedef.flatten_up_to(params), disk_order=False)
+        else:
+            self.layout.fill(flat, self._to_master(params))
 
         def fill(a, b, out):
             np.copyto(out, flat[a:b])
@@ -337,7 +345,10 @@ class HostLoopStep(StepBase):
             skip = bool(checked.skip)
         hp = self.settings.peek()  # what this step uses, or would have used where skipped
         if not skip:
-            self.layout.fill(self.grads, grads)
+            if self.processes and self.disk is not None:
+                self.disk.fill_local(self.grads, grads)
+            else:
+                self.layout.fill(self.grads, grads)
             self.count += 1
             if self.muon is not None:  # the momentum read from the store, orthogonalised on owners
                 m = self.store.read("m") if hasattr(self.store, "read") else self.store.m
@@ -380,6 +391,13 @@ class HostLoopStep(StepBase):
         elif self.disk is None:
             flat = self.store.read_master()
             leaves = jax.tree_util.tree_leaves(self.layout.views(flat))
+        elif self.processes:  # every process's rows, gathered on every process
+            flat = np.empty(self.layout.total, self.store.params_dtype or np.float32)
+            self.store.read_params(0, flat)
+            whole = jax.jit(lambda ls: [placement.unpad(self.disk.from_local(i, x), lay) if lay.params_partitioned else x
+                                        for i, (lay, x) in enumerate(zip(plan.leaves, ls))],
+                            out_shardings=NamedSharding(plan.mesh, P()))(self.disk.global_arrays(flat))
+            leaves = [np.asarray(x.addressable_data(0)) for x in whole]
         else:
             leaves = []
             for i, lay in enumerate(plan.leaves):

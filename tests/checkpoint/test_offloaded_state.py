@@ -6,6 +6,7 @@ step than its store's is refused by name, never mixed."""
 import os
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -154,3 +155,23 @@ def test_a_fresh_nvme_state_saves_before_any_step_and_a_stale_directory_is_not_r
     close(params_of(None, back), params_of(None, fresh("device", precision="fp32")), atol=0)
     moments = [x for x in jax.tree_util.tree_leaves(jax.device_get(back.opt_state)) if np.ndim(x) > 0]
     assert moments and all(float(np.abs(x).max()) == 0 for x in moments)
+
+
+def test_consolidating_a_zero_infinity_checkpoint_gives_the_trained_params(tmp_path):
+    """The params live in the store's files between steps; the checkpoint's consolidated copy is the
+    store's fp32 master, as the step reads it back."""
+    from safetensors.numpy import load_file
+
+    state, step, _ = train(fresh("infinity", tmp_path / "run"), DATA[:3])
+    mngr = CheckpointManager(tmp_path / "ckpt")
+    mngr.save(3, state)
+    out = zj.checkpoint.consolidate(str(tmp_path / "ckpt"), str(tmp_path / "model.safetensors"), progress=False)
+    got = load_file(out)
+    trained = step.full_params(np.float32)
+    step.close()
+    assert sorted(got) == sorted(".".join(str(getattr(k, "key", k)) for k in path)
+                                 for path, _ in jax.tree_util.tree_flatten_with_path(trained)[0])
+    for path, leaf in jax.tree_util.tree_flatten_with_path(trained)[0]:
+        name = ".".join(str(getattr(k, "key", k)) for k in path)
+        # the 16-bit params the step trains with are the consolidated fp32 master, rounded
+        np.testing.assert_array_equal(got[name].astype(jnp.bfloat16).astype(np.float32), leaf, err_msg=name)

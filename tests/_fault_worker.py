@@ -75,6 +75,7 @@ def main(argv=None) -> None:
     p.add_argument("--step-seconds", type=float, default=0.0, help="host work after each step (a data loader)")
     p.add_argument("--out", default=None)
     p.add_argument("--nvme", default=None, help="offload_optimizer='nvme' with this nvme_path")
+    p.add_argument("--zenflow", action="store_true", help="ZenFlow (top 25% of rows on the device, host every 2 steps)")
     args = p.parse_args(argv)
     first_start = os.environ.get("ZEROJAX_RESTART", "0") == "0"
     stall = tuple(int(v) for v in args.stall.split(":")) if args.stall and first_start else None
@@ -83,6 +84,8 @@ def main(argv=None) -> None:
     rank = jax.process_index()
     mesh = zj.make_mesh()
     nvme = dict(offload_optimizer="nvme", nvme_path=args.nvme) if args.nvme else {}
+    if args.zenflow:
+        nvme = dict(offload_optimizer="cpu", zenflow={"topk_ratio": 0.25, "update_interval": 2, "overlap_step": True})
     cfg = zj.ZeroConfig(stage=args.stage, step_timeout=args.step_timeout, first_step_timeout=args.first_step_timeout,
                         preemption_signal=args.preemption_signal, **nvme)
     target = os.getppid() if "ZEROJAX_PROCESS_ID" in os.environ else os.getpid()  # the launcher, or this process

@@ -214,6 +214,23 @@ def test_sigterm_to_an_nvme_run_saves_its_optimizer_state_and_the_restart_resume
     assert_equal_to(reference, out)  # the host's AdamW against the device's: within 1e-6
 
 
+@pytest.mark.slow  # three launched jobs: about 40 s
+def test_sigterm_to_a_zenflow_run_saves_its_engine_and_the_restart_resumes_exactly(tmp_path):
+    """ZenFlow (a host update in flight between steps): the preemption checkpoint holds the engine's
+    state, so the restarted job ends on the uninterrupted job's params."""
+    ckpt, out, straight = str(tmp_path / "ckpt"), str(tmp_path / "final.npz"), str(tmp_path / "straight.npz")
+    code, log, _ = run([sys.executable, WORKER, "--ckpt", str(tmp_path / "ref"), "--steps", str(STEPS),
+                        "--save-every", "100", "--zenflow", "--out", straight], timeout=120)
+    assert code == 0, log
+    args = [sys.executable, WORKER, "--ckpt", ckpt, "--steps", str(STEPS), "--out", out, "--zenflow"]
+    code, log, _ = run(args + ["--save-every", "100", "--term-at", "4"], timeout=120)
+    assert code == wd.PREEMPTED_EXIT and "saved step 5" in log, log
+    code, log, _ = run(args, timeout=120)
+    assert code == 0 and "resumed from step 5" in log, log
+    want = np.load(straight)
+    assert_equal_to({k: want[k] for k in want.files}, out)
+
+
 def test_the_named_preemption_signal_saves_like_sigterm(tmp_path):
     """SLURM's --signal=USR1@60: ZeroConfig.preemption_signal="SIGUSR1" makes SIGUSR1 a preemption notice."""
     ckpt = str(tmp_path / "ckpt")

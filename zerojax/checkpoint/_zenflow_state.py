@@ -361,6 +361,15 @@ def _take(step, payload, params) -> None:
     step.resumed_at = step.state_step
 
 
+def _like(value: np.ndarray, x) -> jax.Array:
+    """``value`` placed as the engine's own array ``x`` is: on x's devices, or, where the step made x
+    from constants alone (one device, not committed to it), likewise uncommitted, so that it goes
+    with the params' devices in the step."""
+    if isinstance(x.sharding, jax.sharding.SingleDeviceSharding) and not getattr(x, "_committed", True):
+        return jnp.asarray(value)
+    return jax.device_put(value, x.sharding)
+
+
 def _load(step, snap: Snapshot, params) -> None:
     info, a = snap.info, snap.arrays
     flat, treedef = jax.tree_util.tree_flatten_with_path(step._init_dev(params))
@@ -369,8 +378,7 @@ def _load(step, snap: Snapshot, params) -> None:
     if bad or len(a["master"]) != step.master.size:
         raise CheckpointError(f"the saved ZenFlow engine state does not fit this step ({', '.join(bad) or 'master'}). "
                               "Fix: build the step with the zenflow block and model that were saved")
-    step.dev = treedef.unflatten([jax.device_put(np.asarray(a["dev/" + path_str(p)], x.dtype), x.sharding)
-                                  for p, x in flat])
+    step.dev = treedef.unflatten([_like(np.asarray(a["dev/" + path_str(p)], x.dtype), x) for p, x in flat])
     for name in ("master", "m", "v"):
         np.copyto(getattr(step, name), a[name])
     for i, acc in enumerate(step.acc):

@@ -90,6 +90,12 @@ class FlatLayout:
             np.copyto(view, np.asarray(leaf), casting="same_kind")
         return flat
 
+    def source(self, leaves, dtype) -> "LeafSource":
+        """A read-only flat view of ``leaves`` (flatten order, one dtype) whose ``[a:b]`` copies only
+        those elements, bringing one leaf to the host at a time: the host never holds the whole
+        flat buffer (the NVMe store reads its sub-groups in order)."""
+        return LeafSource(self, list(leaves), np.dtype(dtype))
+
     @property
     def total(self) -> int:
         return sum(self.sizes.values())
@@ -97,3 +103,33 @@ class FlatLayout:
     @staticmethod
     def _leaf(buf: np.ndarray, shape, off: int) -> np.ndarray:
         return buf[off:off + math.prod(shape)].reshape(shape)
+
+
+class LeafSource:
+    """:meth:`FlatLayout.source`: ``shape``, ``ndim``, ``size``, ``dtype`` and ``[a:b]`` of the flat
+    buffer the leaves would fill."""
+
+    def __init__(self, layout: FlatLayout, leaves: list, dtype):
+        self.layout, self.leaves, self.dtype = layout, leaves, dtype
+        self.size = layout.total
+        self.shape, self.ndim = (self.size,), 1
+        self._ends = np.cumsum([math.prod(s) for s in layout.shapes])
+        self._held: dict = {}
+
+    def _leaf(self, i: int) -> np.ndarray:
+        if i not in self._held:
+            self._held = {i: np.asarray(self.leaves[i]).reshape(-1)}
+        return self._held[i]
+
+    def __getitem__(self, key) -> np.ndarray:
+        if not isinstance(key, slice) or key.step not in (None, 1):
+            raise TypeError("LeafSource supports [a:b] only")
+        start, b, _ = key.indices(self.size)
+        out = np.empty(max(0, b - start), self.dtype)
+        a, i = start, int(np.searchsorted(self._ends, start, side="right"))
+        while a < b:
+            off = int(self._ends[i]) - math.prod(self.layout.shapes[i])
+            hi = min(b, int(self._ends[i]))
+            np.copyto(out[a - start:hi - start], self._leaf(i)[a - off:hi - off], casting="same_kind")
+            a, i = hi, i + 1
+        return out

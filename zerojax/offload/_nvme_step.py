@@ -164,7 +164,11 @@ class HostLoopStep(StepBase):
             self.store = MemoryAdamW(n, self.host_opt)
         else:
             raise ConfigError(f"store={store!r}: expected 'nvme' or 'memory'")
-        self.grads = np.empty(n, jnp.dtype(self.cdt))
+        self.grads_dtype = jnp.dtype(self.cdt)
+        # the flat gradients, where a step gathers them (several processes, Muon, the in-memory store);
+        # the NVMe store of one process reads them leaf by leaf instead
+        self.gathers = self.shards or self.processes or self.muon is not None or store != "nvme"
+        self.grads = np.empty(n, self.grads_dtype) if self.gathers else None
         self.out16 = np.empty(n, jnp.dtype(self.cdt)) if self.cdt != jnp.float32 and self.disk is None else None
         self.count = 0
         self._at = self._generation = None  # the TrainState step and the marker the store holds
@@ -347,8 +351,12 @@ class HostLoopStep(StepBase):
         if not skip:
             if self.processes and self.disk is not None:
                 self.disk.fill_local(self.grads, grads)
-            else:
+                flat_grads = self.grads
+            elif self.gathers:
                 self.layout.fill(self.grads, grads)
+                flat_grads = self.grads
+            else:  # one leaf on the host at a time, as the store's sub-groups ask for it
+                flat_grads = self.layout.source(grads, self.grads_dtype)
             self.count += 1
             if self.muon is not None:  # the momentum read from the store, orthogonalised on owners
                 m = self.store.read("m") if hasattr(self.store, "read") else self.store.m
@@ -357,8 +365,9 @@ class HostLoopStep(StepBase):
                 self.host_opt.use(self.settings.next())
             # a failed write raises NvmeError here; the store keeps its last committed step and
             # the caller's state (not donated) is untouched
-            self.store.step(self.grads, self.count, lr=float(hp["learning_rate"]), out16=self.out16,
+            self.store.step(flat_grads, self.count, lr=float(hp["learning_rate"]), out16=self.out16,
                             **self._commit_extra(int(state.step) + 1))
+            del flat_grads, grads  # the gradients' device buffers go before the params are placed
             _watchdog.record("host update", detail="nvme")
             if self.disk is None:
                 flat = self.out16 if self.out16 is not None else self.store.read_master()

@@ -49,6 +49,7 @@ from zerojax.offload._host_adam import HostAdamW
 __all__ = ["NvmeError", "NvmeOptimizerStore"]
 
 _MARKER = "COMMITTED"
+DIRTY_BYTES = 256 << 20  # written bytes a store leaves in the page cache before it syncs them
 _FIELDS = ("master", "m", "v")
 
 
@@ -187,6 +188,7 @@ class NvmeOptimizerStore:
         self.optimizer = optimizer if optimizer is not None else HostAdamW()
         self.fsync, self.drop_page_cache = bool(fsync), bool(drop_page_cache)
         self._drop = self.drop_page_cache and hasattr(os, "posix_fadvise")
+        self._dirty = 0  # bytes written since the last sync (_written)
         self._fds = [os.open(self._slot_file(k), os.O_RDWR | os.O_CREAT, 0o600) for k in (0, 1)]
         self._slot = None if resume is None else resume["slot"]
         self.committed_count = None if resume is None else resume["count"]
@@ -418,8 +420,22 @@ class NvmeOptimizerStore:
                 io(fd, mv, off)
                 if self._drop:
                     os.posix_fadvise(fd, off, len(mv), os.POSIX_FADV_DONTNEED)
+                if io is _pwrite_all:
+                    self._written(fd, len(mv))
         except OSError as e:
             raise self._io_error(e, doing) from e
+
+    def _written(self, fd: int, nbytes: int) -> None:
+        """Bounds the page cache the writes leave dirty: every ``DIRTY_BYTES`` written (the writer
+        thread only), the file is synced and its pages dropped, so a state larger than memory is
+        never held in the page cache waiting for writeback (a memory-limited job is charged for
+        it), much as DeepSpeed's direct I/O bypasses the cache."""
+        self._dirty += nbytes
+        if self._dirty >= DIRTY_BYTES:
+            os.fdatasync(fd)
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            self._dirty = 0
 
     def _io_error(self, e: OSError, doing: str, what: str = "optimizer state") -> NvmeError:
         if isinstance(e, NvmeError):

@@ -33,10 +33,11 @@ than devices (unbalanced: every owner running every slot of its blocks, padding 
 For each contender, from the compiled step: the collectives (count, by kind) and their bytes per device
 (ring volume from the result shapes, :func:`zerojax.tools._compiled.collectives`) over 4 x
 params (the fp32 params' bytes), the per-device FLOPs of XLA's cost analysis; then the step time,
-the median over ``rounds`` interleaved rounds of ``steps`` steps each. ``--smoke``: 2 small
-layers, one round of one step.
+the median over ``rounds`` interleaved rounds of ``steps`` steps each. ``--smoke``: one small
+layer, one round of one step.
 """
 import argparse
+import functools
 import os
 import math
 import statistics
@@ -83,8 +84,11 @@ def loss_fn(params, batch):
     return jnp.mean((h - batch["y"]) ** 2)
 
 
+@functools.cache
 def muon():
-    """optax.contrib.muon: recognised, Newton–Schulz on owners."""
+    """optax.contrib.muon: recognised, Newton–Schulz on owners. One instance for every contender
+    (a transformation is pure): zerojax recognises it once per params' shapes, not once per
+    contender (each recognition runs both updates on probes, op by op: seconds)."""
     return optax.contrib.muon(1e-3)
 
 
@@ -268,10 +272,10 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--contenders", nargs="*", default=list(CONTENDERS))
-    ap.add_argument("--smoke", action="store_true", help="2 layers of d 64, one round of one step")
+    ap.add_argument("--smoke", action="store_true", help="1 layer of d 64, one round of one step")
     args = ap.parse_args(argv)
     if args.smoke:
-        args.layers, args.d, args.batch, args.rounds, args.steps = 2, 64, 16, 1, 1
+        args.layers, args.d, args.batch, args.rounds, args.steps = 1, 64, 16, 1, 1
     mesh = zj.make_mesh()
     params = make_params(args.layers, args.d)
     psi = sum(x.size for x in jax.tree_util.tree_leaves(params))

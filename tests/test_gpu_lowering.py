@@ -62,11 +62,16 @@ def custom_calls(text: str) -> collections.Counter:
 
 def cuda_problems(traced, *, host_memory: bool = False, gpu_kernel: bool = False) -> list:
     """What keeps ``traced`` (a jax ``Traced``) from running on a GPU; empty when nothing does."""
+    return _cuda_problems(traced, host_memory=host_memory, gpu_kernel=gpu_kernel)[0]
+
+
+def _cuda_problems(traced, *, host_memory: bool = False, gpu_kernel: bool = False):
+    """(:func:`cuda_problems`, the CUDA program's text or None where it does not lower)."""
     try:
         lowered = traced.lower(lowering_platforms=("cuda",))
         cuda = lowered.as_text()
     except Exception as e:  # noqa: BLE001 - any refusal is the finding
-        return [f"does not lower for CUDA: {type(e).__name__}: {str(e)[:400]}"]
+        return [f"does not lower for CUDA: {type(e).__name__}: {str(e)[:400]}"], None
     cpu = traced.lower().as_text()
     problems = []
     targets = custom_calls(cuda)
@@ -86,7 +91,7 @@ def cuda_problems(traced, *, host_memory: bool = False, gpu_kernel: bool = False
     # compiled only where the lowering is clean: XLA:GPU aborts the process on a custom call it
     # has no implementation of (the native host kernel's), which the lowering check names instead
     return problems + (compiled_problems(lowered, host_memory=host_memory, gpu_kernel=gpu_kernel)
-                       if not problems else [])
+                       if not problems else []), cuda
 
 
 # custom calls a compiled GPU program may hold: XLA:GPU's library calls and kernels, and the host
@@ -147,9 +152,12 @@ def compiled_problems(lowered, **expect) -> list:
     return gpu_program_problems(compiled, **expect)
 
 
-def check_cuda(traced, **expect):
-    problems = cuda_problems(traced, **expect)
+def check_cuda(traced, **expect) -> str:
+    """Assert ``traced`` lowers and compiles for CUDA cleanly; returns the CUDA program's text (its
+    lowering, which the callers inspect further instead of lowering the same trace again)."""
+    problems, cuda = _cuda_problems(traced, **expect)
     assert not problems, "; ".join(problems)
+    return cuda
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -211,8 +219,7 @@ def test_nvme_optimizer_offload_device_program_lowers_for_cuda(tmp_path):
 def test_fused_adam_step_holds_the_gpu_kernel():
     skip_without_gpu_kernel_lowering()
     traced = traced_step(fused_adam=True, stage=2, precision="bf16")
-    check_cuda(traced, gpu_kernel=True)
-    text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    text = check_cuda(traced, gpu_kernel=True)
     if pallas_gpu_backend() == "triton":
         assert text.count("xla.gpu.triton") >= 1
     # the same trace lowered for CPU runs the kernel in interpret mode: no GPU call there
@@ -222,8 +229,7 @@ def test_fused_adam_step_holds_the_gpu_kernel():
 def test_zeropp_qwz_hpz_qgz_at_stage3_lower_for_cuda():
     traced = traced_step(stage=3, quantized_weights=True, hpz_partition_size=2, quantized_gradients=True,
                          param_persistence_threshold=0)
-    check_cuda(traced)
-    assert collectives(traced.lower(lowering_platforms=("cuda",)).as_text())["all_to_all"] > 0  # qgZ
+    assert collectives(check_cuda(traced))["all_to_all"] > 0  # qgZ
 
 
 def test_muon_on_owners_lowers_for_cuda_at_stage_0_and_offloaded():
@@ -232,11 +238,9 @@ def test_muon_on_owners_lowers_for_cuda_at_stage_0_and_offloaded():
     compute_on (no native host kernel: that one is Adam's)."""
     tx = optax.inject_hyperparams(optax.contrib.muon)(learning_rate=0.02, weight_decay=0.01)
     traced = traced_step(tx=tx, stage=0)
-    check_cuda(traced)
-    assert collectives(traced.lower(lowering_platforms=("cuda",)).as_text())["all_gather"] > 0
+    assert collectives(check_cuda(traced))["all_gather"] > 0
     traced = traced_step(tx=tx, stage=2, offload_optimizer="cpu")
-    check_cuda(traced, host_memory=True)
-    assert '_xla_compute_type = "host"' in traced.lower(lowering_platforms=("cuda",)).as_text()
+    assert '_xla_compute_type = "host"' in check_cuda(traced, host_memory=True)
 
 
 def test_zenflow_device_program_lowers_for_cuda():
@@ -270,8 +274,7 @@ def test_ulysses_step_lowers_for_cuda_with_its_all_to_alls():
                                 zj.ZeroConfig(stage=3, sequence_parallel_size=2, param_persistence_threshold=0),
                                 optimizer=optax.adamw(1e-3))
     traced = step.trace(state, {"inputs": toks[:, :-1], "labels": toks[:, 1:]})
-    check_cuda(traced)
-    assert collectives(traced.lower(lowering_platforms=("cuda",)).as_text())["all_to_all"] >= 4
+    assert collectives(check_cuda(traced))["all_to_all"] >= 4
 
 
 def test_pipeline_step_lowers_for_cuda_with_its_sends():
@@ -282,8 +285,7 @@ def test_pipeline_step_lowers_for_cuda_with_its_sends():
                                  mesh=zj.make_mesh((2, 4), ("pipe", "data")),
                                  config=zj.ZeroConfig(stage=1, gradient_accumulation_steps=2))
     traced = zj.make_train_step(gpt_pipeline(cfg), state).trace(state, {"tokens": gpt_tokens(cfg, 16)})
-    check_cuda(traced)
-    assert collectives(traced.lower(lowering_platforms=("cuda",)).as_text())["collective_permute"] > 0
+    assert collectives(check_cuda(traced))["collective_permute"] > 0
 
 
 # --------------------------------------------------------------------------- the checks can fail

@@ -320,7 +320,10 @@ def _recipe(tx, shapes) -> Optional[MuonRecipe]:
     if partition_groups(tx, _proxy_tree(treedef, recipe, lambda p: p)) != groups:
         return None  # a rule that reads sizes: the proxies would change the groups
     try:
-        with jax.ensure_compile_time_eval():
+        # op by op with jit off: optax's Newton–Schulz loop (a fori_loop) then runs as Python
+        # iterations of primitives compiled once per probe shape, where a jitted loop is a new
+        # program to compile for every recognition (some 80 compiles, a second or more each time)
+        with jax.ensure_compile_time_eval(), jax.disable_jit():
             ok = _agrees(tx, recipe, treedef)
     except Exception:  # noqa: BLE001 - a transformation the probes cannot drive is not recognised
         return None

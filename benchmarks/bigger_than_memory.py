@@ -158,7 +158,9 @@ def main():
         rss_base = RssSampler().rss()  # after the imports: jax and its runtime
         config = zj.ZeroConfig(**common, **read_ahead, offload_optimizer="nvme", offload_param="nvme", nvme_path=nvme,
                                sub_group_size=1 << 22)
-        state = zj.shard_train_state(gpt.init_params(cfg, jax.random.PRNGKey(0)), tx, config=config)
+        # an init function: the params are created in their sharded layout, never whole on one device
+        state = zj.shard_train_state(zj.init_fn(lambda key: gpt.init_params(cfg, key)), tx, config=config,
+                                     rng=jax.random.PRNGKey(0))
         step = zj.make_train_step(loss_fn, state)
         n = step.layout.total  # elements on disk, padding included
         machine = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

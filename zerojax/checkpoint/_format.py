@@ -82,6 +82,8 @@ import zerojax.checkpoint._pieces as _pieces
 from zerojax._errors import CheckpointError
 from zerojax._plan import LeafLayout, ZeroPlan, path_str
 from zerojax._state import TrainState, state_shardings
+from zerojax.checkpoint._tree import (DATA, FORMAT, META, MISMATCH, READABLE_FORMATS, SAFETENSORS_16BIT,  # noqa: F401
+                                      STATE, lookup, nest, verify)
 from zerojax.checkpoint._outside import check_outside_target, keeps_outside, outside_tree, restore_outside
 from zerojax.checkpoint._zenflow_state import KEY as ENGINE
 from zerojax.checkpoint._zenflow_state import keeps_engine, restore_zenflow, zenflow_tree
@@ -89,25 +91,9 @@ from zerojax.offload._nvme_step import placeholders
 
 __all__ = ["FORMAT", "logical_tree"]
 
-FORMAT = 2  # 2: the JSON files are checksummed too (zerojax.checkpoint._integrity)
-READABLE_FORMATS = (1, 2)
-MISMATCH = "the checkpoint does not match the target state"
-STATE, META, DATA = "state", "zerojax", "data_state"
-SAFETENSORS_16BIT = "model_16bit.safetensors"
 
 
 # ------------------------------------------------------------------------- tree helpers
-def nest(flat: dict[str, Any]) -> dict:
-    out: dict = {}
-    for key, value in flat.items():
-        node = out
-        parts = key.split("/")
-        for p in parts[:-1]:
-            node = node.setdefault(p, {})
-        node[parts[-1]] = value
-    return out
-
-
 def _disk_split(plan: ZeroPlan, lay: LeafLayout) -> bool:
     """A param-like leaf is split over the data axis on disk (and while read) when it can be."""
     return lay.axis is not None and (plan.n > 1 or bool(lay.extra))
@@ -569,18 +555,3 @@ def _restore_program(plan: ZeroPlan, lays, opt_meta, param_homes, master_homes, 
     rep = NamedSharding(plan.mesh, P())
     out_sh = ((list(param_homes), list(master_homes), list(opt_homes)), ([rep] * len(lays), [rep] * len(opt_meta)))
     return jax.jit(build, out_shardings=out_sh)
-
-
-def lookup(tree: dict, path: str):
-    for p in path.split("/"):
-        tree = tree[p]
-    return tree
-
-
-def verify(meta: dict, sums, where: str) -> None:
-    got = {k: int(v) for k, v in jax.device_get(sums).items()}
-    bad = [k for k, v in got.items() if meta["checksums"].get(k) != v]
-    if bad:
-        raise CheckpointError(
-            f"checkpoint {where} is damaged: the values read for {', '.join(bad)} do not match the checksums "
-            "written at save time (a data file was truncated, replaced or deleted). Restore an older step.")

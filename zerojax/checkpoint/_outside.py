@@ -268,7 +268,7 @@ def restore_outside(step_dir: str, meta: dict, target: TrainState, at: int) -> d
     from zerojax.offload._nvme import NvmeOptimizerStore, _validate_dir
     from zerojax.update._recognize import StepSettings
     from zerojax.offload._nvme_step import store_layout, store_path
-    from zerojax.checkpoint._format import STATE
+    from zerojax.checkpoint._tree import STATE
 
     plan, tx, cfg = target.plan, target.tx, target.plan.config
     opt = _recognized(plan, tx, "restore")
@@ -309,7 +309,7 @@ def restore_outside(step_dir: str, meta: dict, target: TrainState, at: int) -> d
 
 def _writer(step_dir, meta, plan, layout, disk, opt, by_slot, sums, ctx):
     """``write(regions)`` streaming a checkpoint's leaves into one process's store of the whole state."""
-    from zerojax.checkpoint._format import STATE, verify
+    from zerojax.checkpoint._tree import STATE, verify
 
     state_dir = os.path.join(step_dir, STATE)
 
@@ -349,7 +349,7 @@ def _shard_writer(step_dir, meta, plan, layout, disk, opt, by_slot, sums):
     into its own store."""
     import orbax.checkpoint as ocp
 
-    from zerojax.checkpoint._format import lookup, nest, verify
+    from zerojax.checkpoint._tree import lookup, nest, verify
     from zerojax.checkpoint._steps import read_state
     from zerojax.offload._shards import _key
 

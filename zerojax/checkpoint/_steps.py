@@ -10,7 +10,7 @@ import warnings
 import jax
 import orbax.checkpoint as ocp
 
-from zerojax.checkpoint._format import FORMAT, META, READABLE_FORMATS, STATE
+from zerojax.checkpoint._tree import FORMAT, META, READABLE_FORMATS, STATE
 from zerojax.checkpoint._integrity import DATA_FILE, META_FILE, load_json, verify_data, verify_meta
 from zerojax._errors import CheckpointError, ZeroJaxWarning
 

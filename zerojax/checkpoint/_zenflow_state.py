@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import os
 import warnings
-import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Optional
@@ -58,8 +57,10 @@ import zerojax.checkpoint._pieces as _pieces
 from zerojax._errors import CheckpointError, ZeroJaxWarning
 from zerojax._plan import ZeroPlan, path_str
 from zerojax._state import TrainState
+from zerojax.offload._engines import engines, leave
+from zerojax.offload._engines import pending as pending_state
 
-__all__ = ["attach", "keeps_engine", "restore_zenflow", "zenflow_tree"]
+__all__ = ["keeps_engine", "restore_zenflow", "zenflow_tree"]
 
 KEY = "zenflow"  # the state item's subtree and the metadata's entry
 VERSION = 1
@@ -68,8 +69,6 @@ _COUNTERS = ("steps", "host_count", "host_updates", "selections", "since_select"
              "count_base")
 _SLOT_BUFFERS = ("m", "v")  # the host buffers of the optimizer's slots, in order
 
-_LIVE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # plan -> WeakSet of ZenFlowSteps
-_PENDING: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # plan -> a restore's engine state
 
 
 def keeps_engine(plan: ZeroPlan) -> bool:
@@ -128,16 +127,8 @@ def _unsetting(pair):
 
 
 # ------------------------------------------------------------------------- live engines
-def attach(step, state: TrainState) -> None:
-    """Registers a new ZenFlowStep under its plan and hands it a restore's engine state."""
-    _LIVE.setdefault(step.plan, weakref.WeakSet()).add(step)
-    payload = _PENDING.pop(step.plan, None)
-    if payload is not None:
-        _take(step, payload, state.params)
-
-
 def _engines(plan: ZeroPlan) -> list:
-    return list(_LIVE.get(plan, ()))
+    return engines(plan)
 
 
 def _snapshot(step) -> Snapshot:
@@ -170,7 +161,7 @@ def _source(state: TrainState, doing: str):
     match = [e for e in held if e.state_step == at]
     if match:
         return _snapshot(max(match, key=lambda e: e._ckpt_tick))
-    pending = _PENDING.get(plan)
+    pending = pending_state(plan)
     pending_at = None if pending is None else (pending.state_step if isinstance(pending, Seed)
                                                else pending.info["state_step"])
     if pending_at == at:
@@ -317,7 +308,7 @@ def restore_zenflow(step_dir: str, meta: dict, target: TrainState, restore_param
     """(state, checksums) of a checkpoint step restored onto a ZenFlow target: the params via
     ``restore_params(meta)`` (the state's other leaves as on any tier), the engine's state handed
     to the target plan's ZenFlowStep (see the module docstring)."""
-    from zerojax.checkpoint._format import STATE
+    from zerojax.checkpoint._tree import STATE
 
     plan = target.plan
     opt = _optimizer(target.tx, "restore")
@@ -344,7 +335,7 @@ def restore_zenflow(step_dir: str, meta: dict, target: TrainState, restore_param
     for e in open_steps:  # a live target's step goes on from the checkpoint at its next call
         _take(e, payload, state.params)
     if not open_steps:
-        _PENDING[plan] = payload
+        leave(plan, payload, _take)
     return state, sums
 
 

@@ -60,6 +60,7 @@ import zerojax._placement as placement
 from zerojax.config._checks import zenflow_block
 from zerojax._contract import StepBase, check_state
 from zerojax._errors import ConfigError, StateError
+from zerojax.offload._engines import attach
 from zerojax.offload._flat import FlatLayout
 from zerojax.offload._host_buffers import host_zeros
 from zerojax.offload._host_rule import HostOptimizer
@@ -183,8 +184,7 @@ class ZenFlowStep(StepBase):
         self.closed = False
         self._build(loss_fn, has_aux)
         # checkpoints: a save finds this engine by its plan; a restore's engine state is taken up here
-        from zerojax.checkpoint._zenflow_state import attach
-        attach(self, state)
+        attach(self, state.params)
 
     # ------------------------------------------------------------------ helpers
     def _master_from(self, params) -> None:

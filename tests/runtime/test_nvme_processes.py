@@ -22,6 +22,9 @@ def pair(*args):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ZEROJAX_", "WORLD_SIZE", "RANK", "LOCAL_RANK",
                                                                     "MASTER_", "SLURM_"))}
     env["JAX_PLATFORMS"] = "cpu"
+    # the pair compiles afresh: on jax 0.12.1 a two-process job whose programs come from a warm
+    # persistent compilation cache (the suite's) was seen to hang
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
     p = subprocess.run(LAUNCH + [WORKER, *map(str, args)], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]

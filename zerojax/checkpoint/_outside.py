@@ -244,6 +244,23 @@ def _stream(state_dir: str, key: str, logical_shape, dest: np.ndarray, ctx) -> i
     return total % (1 << 32)
 
 
+def restored_settings(state_dir: str, tx, opt, others: list, at: int, sums: dict, ctx) -> tuple:
+    """(applied-update count, injected settings as JSON or None) read from a checkpoint's optimizer
+    leaves that mirror no param (``others``: their paths; a few scalars), their checksums added to
+    ``sums``. Without a count in the optimizer's state it is the TrainState step ``at``."""
+    from zerojax.update._recognize import StepSettings, shadow_json
+
+    small = []
+    for p in others:
+        x = np.asarray(_pieces.open_array(state_dir, "opt_state/" + p, ctx).read().result())
+        sums["opt_state/" + p] = _pieces.np_checksum(x)
+        small.append(x)
+    shadow, count = _restored_shadow(tx, opt, small)
+    # injected settings: the schedule goes on from the restored ones
+    settings = shadow_json(shadow) if StepSettings(tx, opt).shadow is not None else None
+    return (int(at) if count is None else count), settings
+
+
 def check_outside_target(meta: dict, plan: ZeroPlan, tx, mismatch: str) -> None:
     """The checkpoint's optimizer leaves against the tree ``tx.init`` builds for the target."""
     opt = _recognized(plan, tx, "restore")
@@ -266,7 +283,6 @@ def restore_outside(step_dir: str, meta: dict, target: TrainState, at: int) -> d
     params) into the target's NVMe store and commits them as TrainState step ``at``; returns
     the checksums of what it read."""
     from zerojax.offload._nvme import NvmeOptimizerStore, _validate_dir
-    from zerojax.update._recognize import StepSettings
     from zerojax.offload._nvme_step import store_layout, store_path
     from zerojax.checkpoint._tree import STATE
 
@@ -276,17 +292,7 @@ def restore_outside(step_dir: str, meta: dict, target: TrainState, at: int) -> d
     state_dir = os.path.join(step_dir, STATE)
     ctx = _pieces.context()
     sums: dict = {}
-    # the optimizer leaves that mirror no param (counts, injected settings): a few scalars
-    small = {}
-    for p in others:
-        store = _pieces.open_array(state_dir, "opt_state/" + p, ctx)
-        small[p] = np.asarray(store.read().result())
-        sums["opt_state/" + p] = _pieces.np_checksum(small[p])
-    shadow, count = _restored_shadow(tx, opt, [small[p] for p in others])
-    count = int(at) if count is None else count
-    settings = None
-    if StepSettings(tx, opt).shadow is not None:  # injected settings: the schedule goes on from the restored ones
-        settings = [[np.dtype(x.dtype).name, np.asarray(x).tolist()] for x in jax.tree_util.tree_leaves(shadow)]
+    count, settings = restored_settings(state_dir, tx, opt, others, at, sums, ctx)
     layout, disk, p16 = store_layout(plan)
     by_slot = {(k, i): p for p, (k, i) in mirrors.items()}
     if isinstance(layout, ShardLayout) or (disk is not None and jax.process_count() > 1):

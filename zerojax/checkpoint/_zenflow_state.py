@@ -281,27 +281,18 @@ def _read(state_dir: str, key: str, shape, dtype, ctx, sums: dict) -> np.ndarray
 
 def _read_seed(state_dir: str, meta: dict, target: TrainState, opt, at: int, sums: dict, mismatch: str) -> Seed:
     """A new engine's start from the one format: fp32 params, slots, count and settings."""
-    from zerojax.checkpoint._outside import _restored_shadow, _slot_paths, check_outside_target
-    from zerojax.update._recognize import StepSettings
+    from zerojax.checkpoint._outside import _slot_paths, check_outside_target, restored_settings
 
     plan, tx = target.plan, target.tx
     check_outside_target(meta, plan, tx, mismatch)
     mirrors, others = _slot_paths(plan, tx, opt)
     ctx = _pieces.context()
-    small = []
-    for p in others:
-        x = np.asarray(_pieces.open_array(state_dir, "opt_state/" + p, ctx).read().result())
-        sums["opt_state/" + p] = _pieces.np_checksum(x)
-        small.append(x)
-    shadow, count = _restored_shadow(tx, opt, small)
-    settings = None
-    if StepSettings(tx, opt).shadow is not None:
-        settings = [[np.dtype(x.dtype).name, np.asarray(x).tolist()] for x in jax.tree_util.tree_leaves(shadow)]
+    count, settings = restored_settings(state_dir, tx, opt, others, at, sums, ctx)
     params = [_read(state_dir, "params/" + lay.path, lay.shape, np.float32, ctx, sums) for lay in plan.leaves]
     slots = [[None] * len(plan.leaves) for _ in opt.slots]
     for p, (k, i) in mirrors.items():
         slots[k][i] = _read(state_dir, "opt_state/" + p, plan.leaves[i].shape, np.float32, ctx, sums)
-    return Seed(at, params, slots, int(at) if count is None else count, settings)
+    return Seed(at, params, slots, count, settings)
 
 
 def restore_zenflow(step_dir: str, meta: dict, target: TrainState, restore_params, mismatch: str):

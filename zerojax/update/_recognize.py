@@ -186,6 +186,12 @@ def init_shape(tx):
     return jax.eval_shape(tx.init, {"x": jax.ShapeDtypeStruct((6,), jnp.float32)})
 
 
+def shadow_json(tree) -> list:
+    """A (one-element shadow) optimizer state's leaves as JSON-ready ``[dtype, value]`` pairs, the
+    form :meth:`StepSettings.set_shadow` reads back."""
+    return [[np.dtype(x.dtype).name, np.asarray(x).tolist()] for x in jax.tree_util.tree_leaves(tree)]
+
+
 class StepSettings:
     """The settings each applied step of a recognised ``tx`` uses, on the host: the constants,
     or the injected hyperparameters followed through a one-element shadow of its state
@@ -218,9 +224,7 @@ class StepSettings:
     def shadow_leaves(self) -> Optional[list]:
         """The shadow state's leaves as JSON-ready ``[dtype, value]`` pairs (None: constant
         settings), so a resumed run takes up the schedule where it was (:meth:`set_shadow`)."""
-        if self._shadow is None:
-            return None
-        return [[np.dtype(x.dtype).name, np.asarray(x).tolist()] for x in jax.tree_util.tree_leaves(self._shadow)]
+        return None if self._shadow is None else shadow_json(self._shadow)
 
     def set_shadow(self, leaves: Optional[list]) -> None:
         """Takes up the schedule from :meth:`shadow_leaves` of another run of the same ``tx``."""

@@ -90,11 +90,12 @@ class FlatLayout:
             np.copyto(view, np.asarray(leaf), casting="same_kind")
         return flat
 
-    def source(self, leaves, dtype) -> "LeafSource":
+    def source(self, leaves, dtype, host=None) -> "LeafSource":
         """A read-only flat view of ``leaves`` (flatten order, one dtype) whose ``[a:b]`` copies only
         those elements, bringing one leaf to the host at a time: the host never holds the whole
-        flat buffer (the NVMe store reads its sub-groups in order)."""
-        return LeafSource(self, list(leaves), np.dtype(dtype))
+        flat buffer (the NVMe store reads its sub-groups in order). ``host(i, leaf)``: leaf ``i`` as
+        a host array of its shape in this layout (default ``np.asarray(leaf)``)."""
+        return LeafSource(self, list(leaves), np.dtype(dtype), host)
 
     @property
     def total(self) -> int:
@@ -109,8 +110,9 @@ class LeafSource:
     """:meth:`FlatLayout.source`: ``shape``, ``ndim``, ``size``, ``dtype`` and ``[a:b]`` of the flat
     buffer the leaves would fill."""
 
-    def __init__(self, layout: FlatLayout, leaves: list, dtype):
+    def __init__(self, layout: FlatLayout, leaves: list, dtype, host=None):
         self.layout, self.leaves, self.dtype = layout, leaves, dtype
+        self.host = host if host is not None else (lambda i, leaf: np.asarray(leaf))
         self.size = layout.total
         self.shape, self.ndim = (self.size,), 1
         self._ends = np.cumsum([math.prod(s) for s in layout.shapes])
@@ -118,7 +120,7 @@ class LeafSource:
 
     def _leaf(self, i: int) -> np.ndarray:
         if i not in self._held:
-            self._held = {i: np.asarray(self.leaves[i]).reshape(-1)}
+            self._held = {i: np.ascontiguousarray(self.host(i, self.leaves[i])).reshape(-1)}
         return self._held[i]
 
     def __getitem__(self, key) -> np.ndarray:

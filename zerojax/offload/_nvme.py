@@ -44,6 +44,7 @@ from typing import Optional
 import numpy as np
 
 from zerojax._errors import ConfigError, NvmeError
+from zerojax.offload._flat import LeafSource
 from zerojax.offload._host_adam import HostAdamW
 
 __all__ = ["NvmeError", "NvmeOptimizerStore"]
@@ -204,16 +205,11 @@ class NvmeOptimizerStore:
     def init(self, params_flat, extra: Optional[dict] = None) -> None:
         """Starts from ``params_flat`` (cast to fp32) with zero moments; commits count 0
         (``extra``: more fields for the marker, see :meth:`step`). ``params_flat`` is a flat
-        array, or a function ``fill(a, b, out)`` writing elements ``[a, b)`` into the fp32 ``out``
+        array, or a :meth:`FlatLayout.source` of the params' leaves, read a sub-group at a time
         (so the whole state never has to be in memory at once)."""
-        if callable(params_flat):
-            fill = params_flat
-        else:
-            flat = np.asarray(params_flat).reshape(-1)
-            self._check_size(flat, "params_flat")
-
-            def fill(a, b, out):
-                np.copyto(out, flat[a:b], casting="same_kind")
+        if not isinstance(params_flat, LeafSource):
+            params_flat = np.asarray(params_flat).reshape(-1)
+        self._check_size(params_flat, "params_flat")
         dst = 0 if self._slot is None else 1 - self._slot
         for fd in self._fds:  # reserve the space now so a full disk shows up here
             try:
@@ -227,7 +223,7 @@ class NvmeOptimizerStore:
                 buf = self._bufs[i % 3]
                 if i >= 3:
                     writes[i - 3].result()
-                fill(a, b, buf[0, :b - a])
+                np.copyto(buf[0, :b - a], params_flat[a:b], casting="same_kind")
                 buf[1:, :b - a] = 0
                 buf16 = self._bufs16[i % 3]
                 if buf16 is not None:
@@ -323,6 +319,7 @@ class NvmeOptimizerStore:
         except OSError as e:
             raise self._io_error(e, "writing") from e
         self._commit(dst, int(count), extra)
+
     def read(self, name: str = "master", out: Optional[np.ndarray] = None) -> np.ndarray:
         """The committed ``master``, ``m`` or ``v`` as one flat fp32 array."""
         if name not in _FIELDS:

@@ -21,7 +21,6 @@ reads them back.
 """
 from __future__ import annotations
 
-import math
 import os
 from typing import Callable
 
@@ -59,11 +58,11 @@ def store_layout(plan):
     params region or None): with ``offload_param="nvme"`` each leaf in its disk layout (split
     dimension first, padded) and the 16-bit params beside the state; else the user's shapes."""
     cdt = plan.compute_dtype
-    if plan.config.offload_param != "nvme" and jax.process_count() > 1:
-        return ShardLayout.of(plan), None, None
     if plan.config.offload_param == "nvme":  # (on several processes, each holds its own devices' rows)
         disk = DiskLayout.of(plan)
         return disk.flat, disk, (jnp.dtype(cdt) if cdt != jnp.float32 else None)
+    if jax.process_count() > 1:  # each process its own devices' partitions
+        return ShardLayout.of(plan), None, None
     return FlatLayout.from_tree([jax.ShapeDtypeStruct(lay.shape, np.float32) for lay in plan.leaves]), None, None
 
 
@@ -176,15 +175,13 @@ class HostLoopStep(StepBase):
         at = int(state.step)
         if at == 0 and params_held(state.params):
             # a fresh state: the store starts from its params (a store left in the path by another run is replaced)
-            fill = (self._shard_filler(state.params) if self.shards or (self.processes and self.disk is not None)
-                    else self._param_filler(state.params))
+            start = self._params_source(state.params)
             if isinstance(self.store, NvmeOptimizerStore):
-                self.store.init(fill, self._extra(0))
+                self.store.init(start, self._extra(0))
                 self._taken(0)
             else:
-                self.store.init(self.layout.fill(np.empty(n, np.float32), self._disk_params(state.params)
-                                                 if self.disk is not None else placement.params_logical(plan, state.params)))
-            del fill
+                self.store.init(start[0:n])
+            del start
             release()
         else:  # a state a step returned, or a checkpoint restored: go on from what the store committed for it
             self._resume(state)
@@ -266,53 +263,25 @@ class HostLoopStep(StepBase):
         if marker is None or marker.get("generation") != self._generation or int(state.step) != self._at:
             self._resume(state)
 
-    def _shard_filler(self, params):
-        """``fill(a, b, out)`` over this process's partitions of the params (:class:`ShardLayout`, or its
-        rows of the disk layout on several processes)."""
-        flat = np.empty(self.layout.total, np.float32)
-        if self.disk is not None:
-            self.disk.fill_local(flat, self.plan.treedef.flatten_up_to(params), disk_order=False)
-        else:
-            self.layout.fill(flat, self._to_master(params))
-
-        def fill(a, b, out):
-            np.copyto(out, flat[a:b])
-
-        return fill
-
-    def _param_filler(self, params):
-        """``fill(a, b, out)``: elements ``[a, b)`` of the store's flat params (fp32) from the
-        state's params, one leaf brought to the host at a time (the store's sub-groups go in
-        order), so the init never holds a whole copy of the model."""
-        plan, layout = self.plan, self.layout
+    def _params_source(self, params):
+        """The store's flat params (fp32) from the state's params: on several processes this
+        process's partitions (:class:`ShardLayout`, or its rows of the disk layout) as one array;
+        else a :meth:`FlatLayout.source` bringing one leaf to the host at a time, so the init never
+        holds a whole copy of the model."""
+        plan = self.plan
         leaves = plan.treedef.flatten_up_to(params)
-        current = {}
+        if self.disk is not None and self.processes:
+            return self.disk.fill_local(np.empty(self.layout.total, np.float32), leaves, disk_order=False)
+        if self.shards:
+            return self.layout.fill(np.empty(self.layout.total, np.float32), self._to_master(params))
 
-        def leaf(i):
-            if i not in current:
-                current.clear()
-                lay, x = plan.leaves[i], leaves[i]
-                if self.disk is not None:
-                    x = np.moveaxis(np.asarray(x), lay.axis, 0) if lay.params_partitioned else np.asarray(x)
-                else:
-                    x = np.asarray(placement.unpad(x, lay) if lay.params_partitioned else x)
-                current[i] = np.ascontiguousarray(x).reshape(-1)
-            return current[i]
+        def host(i, x):  # leaf i in the store's layout: split dimension first on disk, else the user's shape
+            lay = plan.leaves[i]
+            if not lay.params_partitioned:
+                return np.asarray(x)
+            return np.moveaxis(np.asarray(x), lay.axis, 0) if self.disk is not None else np.asarray(placement.unpad(x, lay))
 
-        def fill(a, b, out):
-            for i, (off, shape) in enumerate(zip(layout.offsets, layout.shapes)):
-                end = off + math.prod(shape)
-                if end <= a or off >= b:
-                    continue
-                lo, hi = max(a, off), min(b, end)
-                np.copyto(out[lo - a:hi - a], leaf(i)[lo - off:hi - off], casting="same_kind")
-
-        return fill
-
-    def _disk_params(self, params) -> list:
-        """The stored params (arrays, in the plan's storage layout) as disk-layout host views."""
-        return [np.moveaxis(np.asarray(x), lay.axis, 0) if lay.params_partitioned else np.asarray(x)
-                for lay, x in zip(self.plan.leaves, self.plan.treedef.flatten_up_to(params))]
+        return self.layout.source(leaves, np.float32, host)
 
     def _params_in(self, state: TrainState):
         return None if self.disk is not None else state.params

@@ -170,7 +170,7 @@ def outside_tree(state: TrainState, doing: str):
     if held is not None and marker.get("since", held) <= at <= held:
         regions = committed_regions(path, marker)
         if shards:  # global arrays, each process's shards from its own store
-            as_arrays = layout.arrays if disk is None else (lambda flat: _storage_order(disk, disk.global_arrays(flat)))
+            as_arrays = layout.arrays if disk is None else (lambda flat: _storage_order(disk, disk.shards.arrays(flat)))
             master = as_arrays(regions["master"])
             slots = [as_arrays(regions[r]) for r in _SLOT_REGIONS[:len(opt.slots)]]
         else:
@@ -378,9 +378,10 @@ def _shard_writer(step_dir, meta, plan, layout, disk, opt, by_slot, sums):
                 sums[key] = part[key]
                 verify(meta, {key: part[key]}, step_dir)  # a damaged leaf: nothing is committed
                 if disk is not None:
-                    disk.fill_leaf(regions[region], i, arrays[key], disk_order=False)
+                    rows = disk.in_disk_order(i, arrays[key])
+                    disk.shards.fill_leaf(regions[region], i, rows)
                     if region == "master" and "params" in regions:  # the 16-bit params, rounded from the master
-                        disk.fill_leaf(regions["params"], i, arrays[key], disk_order=False)
+                        disk.shards.fill_leaf(regions["params"], i, rows)
                     continue
                 views = dict(layout.views(regions[region], i))
                 for shard in arrays[key].addressable_shards:

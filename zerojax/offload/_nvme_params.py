@@ -21,6 +21,7 @@ stays in host or device memory.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import threading
 from typing import Optional, Sequence
@@ -35,9 +36,16 @@ from zerojax._errors import ConfigError
 from zerojax._plan import LeafLayout, ZeroPlan
 from zerojax.offload._flat import FlatLayout
 from zerojax.offload._host_buffers import release
+from zerojax.offload._shards import ShardLayout
 from zerojax.stages._collectives import local_shape
 
 __all__ = ["DiskLayout", "NvmeSource", "ParamReader"]
+
+
+@functools.lru_cache(maxsize=64)
+def _to_front(axis: int, sharding):
+    """A program moving ``axis`` first, its result laid out as ``sharding``."""
+    return jax.jit(lambda x: jnp.moveaxis(x, axis, 0), out_shardings=sharding)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,51 +107,23 @@ class DiskLayout:
         spec = P(self.plan.data_axis) if lay.params_partitioned else P()
         return NamedSharding(mesh, spec)
 
-    def fill_local(self, flat: np.ndarray, leaves, disk_order: bool = True) -> np.ndarray:
-        """This process's rows of ``leaves`` into ``flat``: global arrays in the disk layout (split
-        on dimension 0), or with ``disk_order=False`` in the plan's storage layout (split on the
-        leaf's own axis, moved first here)."""
-        for i, x in enumerate(leaves):
-            self.fill_leaf(flat, i, x, disk_order)
-        return flat
+    @functools.cached_property
+    def shards(self) -> ShardLayout:
+        """This process's rows as shards of the disk layout (each leaf split on its first dimension):
+        the same elements in the same order as :attr:`flat`, so global arrays of the disk layout
+        fill this process's store and come back from it through :class:`ShardLayout`."""
+        return ShardLayout.over(self.shapes, [self.sharding(i) for i in range(len(self.plan.leaves))])
 
-    def fill_leaf(self, flat: np.ndarray, i: int, x, disk_order: bool = True) -> None:
-        """:meth:`fill_local` of leaf ``i`` alone."""
+    def in_disk_order(self, i: int, x):
+        """Leaf ``i`` as a global array of the plan's storage layout (split on its own axis) ->
+        the disk layout (split dimension first), moved on the devices."""
         lay = self.plan.leaves[i]
-        off, shape = self.flat.offsets[i], self.flat.shapes[i]
-        dest = flat[off:off + math.prod(shape)].reshape(shape)
-        if not lay.params_partitioned:
-            np.copyto(dest, np.asarray(x.addressable_shards[0].data), casting="same_kind")
-            return
-        axis = 0 if disk_order else lay.axis
-        seen = {}
-        for shard in x.addressable_shards:
-            seen.setdefault(shard.index[axis].start or 0, shard)
-        rows = np.concatenate([np.moveaxis(np.asarray(seen[k].data), axis, 0) for k in sorted(seen)], axis=0)
-        np.copyto(dest, rows, casting="same_kind")
+        return _to_front(lay.axis, self.sharding(i))(x) if lay.params_partitioned else x
 
     def storage_sharding(self, i: int):
         """Leaf ``i`` in the plan's storage layout: split over the data axis on its own axis (or whole)."""
         lay = self.plan.leaves[i]
         return NamedSharding(self.plan.mesh, lay.spec(lay.params_partitioned, self.plan.data_axis))
-
-    def global_arrays(self, flat: np.ndarray, dtype=None) -> list:
-        """The leaves in the disk layout as global arrays whose shards are this process's rows of ``flat``."""
-        out = []
-        for i in range(len(self.plan.leaves)):
-            off, shape = self.flat.offsets[i], self.flat.shapes[i]
-            mine = flat[off:off + math.prod(shape)].reshape(shape)
-            sharding = self.sharding(i)
-            bufs = []
-            for d, index in sharding.addressable_devices_indices_map(self.shapes[i]).items():
-                if self.plan.leaves[i].params_partitioned:
-                    a = (index[0].start or 0) - self.first * self.local_shape(i)[0]
-                    part = mine[a:a + self.local_shape(i)[0]]
-                else:
-                    part = mine
-                bufs.append(jax.device_put(np.asarray(part, dtype), d))
-            out.append(jax.make_array_from_single_device_arrays(self.shapes[i], sharding, bufs))
-        return out
 
     def from_local(self, i: int, local):
         """A device's part as read (disk order) -> the shard the stage-3 step works on."""

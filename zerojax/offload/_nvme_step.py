@@ -271,7 +271,8 @@ class HostLoopStep(StepBase):
         plan = self.plan
         leaves = plan.treedef.flatten_up_to(params)
         if self.disk is not None and self.processes:
-            return self.disk.fill_local(np.empty(self.layout.total, np.float32), leaves, disk_order=False)
+            return self.disk.shards.fill(np.empty(self.layout.total, np.float32),
+                                         [self.disk.in_disk_order(i, x) for i, x in enumerate(leaves)])
         if self.shards:
             return self.layout.fill(np.empty(self.layout.total, np.float32), self._to_master(params))
 
@@ -319,7 +320,7 @@ class HostLoopStep(StepBase):
         hp = self.settings.peek()  # what this step uses, or would have used where skipped
         if not skip:
             if self.processes and self.disk is not None:
-                self.disk.fill_local(self.grads, grads)
+                self.disk.shards.fill(self.grads, grads)
                 flat_grads = self.grads
             elif self.gathers:
                 self.layout.fill(self.grads, grads)
@@ -374,7 +375,7 @@ class HostLoopStep(StepBase):
             self.store.read_params(0, flat)
             whole = jax.jit(lambda ls: [placement.unpad(self.disk.from_local(i, x), lay) if lay.params_partitioned else x
                                         for i, (lay, x) in enumerate(zip(plan.leaves, ls))],
-                            out_shardings=NamedSharding(plan.mesh, P()))(self.disk.global_arrays(flat))
+                            out_shardings=NamedSharding(plan.mesh, P()))(self.disk.shards.arrays(flat))
             leaves = [np.asarray(x.addressable_data(0)) for x in whole]
         else:
             leaves = []

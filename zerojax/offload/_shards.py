@@ -40,9 +40,16 @@ class ShardLayout:
 
     @classmethod
     def of(cls, plan) -> "ShardLayout":
+        """The plan's update layout (its fp32 master's shapes and shardings, in device memory)."""
+        return cls.over([plan.master_shape(lay) for lay in plan.leaves],
+                        plan.treedef.flatten_up_to(plan.master_shardings))
+
+    @classmethod
+    def over(cls, leaf_shapes, leaf_shardings) -> "ShardLayout":
+        """This process's shards of leaves of these global shapes and shardings."""
         shapes, shardings, parts, off = [], [], [], 0
-        for lay, s in zip(plan.leaves, plan.treedef.flatten_up_to(plan.master_shardings)):
-            shape = tuple(plan.master_shape(lay))
+        for shape, s in zip(leaf_shapes, leaf_shardings):
+            shape = tuple(shape)
             if s.memory_kind not in (None, "device"):
                 s = s.with_memory_kind("device")
             seen, mine = set(), []
@@ -61,18 +68,22 @@ class ShardLayout:
         return cls(tuple(shapes), tuple(shardings), tuple(parts), off)
 
     def fill(self, flat: np.ndarray, leaves) -> np.ndarray:
-        """The local shards of ``leaves`` (global arrays of the update layout) into ``flat``."""
-        for arr, mine, shape in zip(leaves, self.parts, self.shapes):
-            where = {k: (o, sub) for k, o, sub in mine}
-            done = set()
-            for shard in arr.addressable_shards:
-                k = _key(shard.index, shape)
-                if k in done or k not in where:
-                    continue
-                done.add(k)
-                o, sub = where[k]
-                np.copyto(flat[o:o + math.prod(sub)], np.asarray(shard.data).reshape(-1), casting="same_kind")
+        """The local shards of ``leaves`` (global arrays of this layout) into ``flat``."""
+        for i, arr in enumerate(leaves):
+            self.fill_leaf(flat, i, arr)
         return flat
+
+    def fill_leaf(self, flat: np.ndarray, i: int, arr) -> None:
+        """:meth:`fill` of leaf ``i`` alone."""
+        where = {k: (o, sub) for k, o, sub in self.parts[i]}
+        done = set()
+        for shard in arr.addressable_shards:
+            k = _key(shard.index, self.shapes[i])
+            if k in done or k not in where:
+                continue
+            done.add(k)
+            o, sub = where[k]
+            np.copyto(flat[o:o + math.prod(sub)], np.asarray(shard.data).reshape(-1), casting="same_kind")
 
     def views(self, flat: np.ndarray, i: int) -> list:
         """Leaf ``i``'s local shards as views of ``flat``: [(index key, view)]."""

@@ -244,18 +244,24 @@ def logical_tree(state: TrainState, doing: str = "save"):
     if on_host:
         sums = _pieces.host_checksums({**{"params/" + k: v for k, v in flat["params"].items()},
                                        **{"opt_state/" + k: v for k, v in flat["opt_state"].items()}})
-    meta = {
-        "format": FORMAT,
-        "saved_with": {"stage": plan.stage, "devices": plan.n, "processes": jax.process_count(),
-                       "precision": plan.config.precision},
-        "params": {lay.path: {"shape": list(lay.shape), "dtype": np.dtype(lay.dtype).name} for lay in plan.leaves},
-        "opt_state": {path: {"shape": list(lay.shape if lay is not None else x.shape),
-                             "dtype": _disk_dtype(x, lay), "mirrors": None if lay is None else lay.path}
-                      for path, x, lay in opt},
-        "checksums": {k: int(v) for k, v in jax.device_get(sums).items()},
-    }
+    meta = _metadata(plan, {path: {"shape": list(lay.shape if lay is not None else x.shape),
+                                   "dtype": _disk_dtype(x, lay), "mirrors": None if lay is None else lay.path}
+                            for path, x, lay in opt}, sums)
     tree = dict(flat, params=nest(flat["params"]), opt_state=nest(flat["opt_state"]))
     return tree, meta
+
+
+def _metadata(plan: ZeroPlan, opt_meta: dict, sums, **saved_with) -> dict:
+    """The step's metadata (see the module docstring): the saving run, every leaf's logical shape
+    and dtype (``opt_meta``: the optimizer's), and the checksums."""
+    return {
+        "format": FORMAT,
+        "saved_with": {"stage": plan.stage, "devices": plan.n, "processes": jax.process_count(),
+                       "precision": plan.config.precision, **saved_with},
+        "params": {lay.path: {"shape": list(lay.shape), "dtype": np.dtype(lay.dtype).name} for lay in plan.leaves},
+        "opt_state": opt_meta,
+        "checksums": {k: int(v) for k, v in jax.device_get(sums).items()},
+    }
 
 
 def _outside_logical_tree(state: TrainState, doing: str):
@@ -265,14 +271,7 @@ def _outside_logical_tree(state: TrainState, doing: str):
         params, opt_flat, meta_opt, sums, engine, arrays = zenflow_tree(state, doing)
     else:
         params, opt_flat, meta_opt, sums = outside_tree(state, doing)
-    meta = {
-        "format": FORMAT,
-        "saved_with": {"stage": plan.stage, "devices": plan.n, "processes": jax.process_count(),
-                       "precision": plan.config.precision, "offload_optimizer": plan.config.offload_optimizer},
-        "params": {lay.path: {"shape": list(lay.shape), "dtype": np.dtype(lay.dtype).name} for lay in plan.leaves},
-        "opt_state": meta_opt,
-        "checksums": sums,
-    }
+    meta = _metadata(plan, meta_opt, sums, offload_optimizer=plan.config.offload_optimizer)
     tree = {"params": nest(params), "opt_state": nest(opt_flat), "step": state.step,
             "loss_scale": _scaler_dict(state.loss_scale), "rng": state.rng}
     if engine is not None:

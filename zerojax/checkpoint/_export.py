@@ -24,26 +24,6 @@ def _safetensors_name(path: str) -> str:
     return path.replace("/", ".")
 
 
-def _pieces_of(step_dir: str, path: str, shape, piece: int, ctx):
-    """The logical values of the param ``path`` as numpy pieces (row-major boxes of at most
-    ``piece`` bytes) and a function returning the checksum of the pieces yielded so far."""
-    store = _pieces.open_array(os.path.join(step_dir, STATE), "params/" + path, ctx)
-    total = [0]
-
-    def pieces():
-        try:
-            for box in _pieces.boxes((0,) * len(shape), tuple(shape), 4, piece, _pieces.chunk_shape(store)):
-                x = _pieces.read_box(store, box)
-                total[0] = (total[0] + _pieces.np_checksum(x)) % (1 << 32)
-                yield x
-        except CheckpointError:
-            raise
-        except Exception as e:  # tensorstore raises ValueError / OSError for a damaged or missing chunk
-            raise _pieces.unreadable("params/" + path, step_dir, e) from e
-
-    return pieces(), lambda: total[0]
-
-
 def consolidate(checkpoint_dir, out, dtype: str = "float32", format: str = "safetensors",
                 step: int | None = None, progress: bool = True, budget: int | None = None) -> str:
     """Write the full params of one checkpoint step to ``out`` on this host, one leaf at a time.
@@ -76,8 +56,9 @@ def consolidate(checkpoint_dir, out, dtype: str = "float32", format: str = "safe
 
     def pieces(path, info):
         """The leaf's pieces in ``np_dtype``; its checksum is checked after the last one."""
-        values, checksum = _pieces_of(step_dir, path, info["shape"], piece, ctx)
-        for x in values:
+        values, checksum = _pieces.read_pieces(os.path.join(step_dir, STATE), "params/" + path, info["shape"],
+                                               piece, ctx)
+        for _, x in values:
             yield x.astype(np_dtype, copy=False)  # no copy when the dtype is already right
         if checksum() != meta["checksums"]["params/" + path]:
             raise CheckpointError(f"checkpoint {step_dir} is damaged: params/{path} does not match its checksum")

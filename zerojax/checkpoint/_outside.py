@@ -229,19 +229,10 @@ def format_leaves(plan: ZeroPlan, tx, opt, master: list, slots: list, settings, 
 def _stream(state_dir: str, key: str, logical_shape, dest: np.ndarray, ctx) -> int:
     """Copies the stored leaf ``key`` (its logical region) into ``dest`` piece by piece; returns
     the checksum of what was read."""
-    store = _pieces.open_array(state_dir, key, ctx)
-    total = 0
-    try:
-        for box in _pieces.boxes((0,) * len(logical_shape), logical_shape, 4, _PIECE,
-                                 align=_pieces.chunk_shape(store) if logical_shape else None):
-            piece = _pieces.read_box(store, box)
-            total += _pieces.np_checksum(piece)
-            dest[box] = piece
-    except CheckpointError:
-        raise
-    except Exception as e:  # tensorstore: a damaged or missing chunk
-        raise _pieces.unreadable(key, os.path.dirname(state_dir), e) from e
-    return total % (1 << 32)
+    pieces, checksum = _pieces.read_pieces(state_dir, key, logical_shape, _PIECE, ctx)
+    for box, piece in pieces:
+        dest[box] = piece
+    return checksum()
 
 
 def restored_settings(state_dir: str, tx, opt, others: list, at: int, sums: dict, ctx) -> tuple:

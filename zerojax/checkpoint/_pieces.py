@@ -33,7 +33,7 @@ from zerojax._errors import CheckpointError
 from zerojax.offload._host_buffers import release  # noqa: F401  (used as _pieces.release)
 
 __all__ = ["CHUNK_BYTES", "MIN_PIECE", "boxes", "build_leaf", "chunk_shape", "context", "host_checksums",
-           "np_checksum", "open_array", "read_box", "release", "unreadable"]
+           "np_checksum", "open_array", "read_box", "read_pieces", "release", "unreadable"]
 
 # the largest stored chunk (bytes) a save writes: a restore in pieces decodes one at a time
 CHUNK_BYTES = 8 << 20
@@ -122,6 +122,29 @@ def boxes(lo, hi, itemsize: int, piece_bytes: int, align=None):
             a = b
 
     yield from cut((), 0)
+
+
+def read_pieces(state_dir: str, key: str, shape, piece_bytes: int, ctx):
+    """The logical values of the stored leaf ``key`` (``shape``: its logical shape) as
+    ``(box, numpy piece)`` pairs, row-major boxes of at most ``piece_bytes`` aligned to the stored
+    chunks, and a function returning the checksum of the pieces yielded so far. A missing or
+    damaged chunk is a CheckpointError naming the leaf."""
+    store = open_array(state_dir, key, ctx)
+    shape = tuple(shape)
+    total = [0]
+
+    def pieces():
+        try:
+            for box in boxes((0,) * len(shape), shape, 4, piece_bytes, chunk_shape(store) if shape else None):
+                x = read_box(store, box)
+                total[0] = (total[0] + np_checksum(x)) % (1 << 32)
+                yield box, x
+        except CheckpointError:
+            raise
+        except Exception as e:  # tensorstore raises ValueError / OSError for a damaged or missing chunk
+            raise unreadable(key, os.path.dirname(state_dir), e) from e
+
+    return pieces(), lambda: total[0]
 
 
 def np_checksum(x: np.ndarray) -> int:

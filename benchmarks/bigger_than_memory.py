@@ -4,8 +4,8 @@ steps cost next to the bytes they move through the disk.
     python benchmarks/bigger_than_memory.py                       # 8 layers, d 512: ~0.5 GB a slot
     python benchmarks/bigger_than_memory.py --layers 48 --d 2048 --dir /nvme/scratch
     python benchmarks/bigger_than_memory.py --smoke               # tiny, seconds: the script runs
-    sudo python benchmarks/bigger_than_memory.py --memory-limit 3 --layers 24 --d 1024 --steps 20
-                                                                  # the job capped at 3 GiB (cgroup)
+    sudo python benchmarks/bigger_than_memory.py --layers 24 --d 1024 --seq 32 --batch 4 --steps 19 \
+        --devices 4 --buckets auto --memory-limit 3.8             # the job capped at 3.8 GiB (cgroup)
 
 Stage 3 (``max_reuse_distance: 0``), bf16, AdamW, ``offload_param`` and ``offload_optimizer`` both ``"nvme"`` on 8 simulated
 devices: the 16-bit params, fp32 master and both moments (14 bytes a param, in two slots) live in
@@ -82,7 +82,7 @@ def run_limited(args) -> int:
         path, peak_file, events_file = _cgroup(limit)
     except PermissionError as e:
         raise SystemExit(f"--memory-limit: cannot create a memory cgroup ({e}); run as root") from e
-    argv = [a for a in sys.argv[1:]]
+    argv = list(sys.argv[1:])
     i = argv.index("--memory-limit")
     del argv[i:i + 2]
     env = dict(os.environ, **{CGROUP_ENV: path})

@@ -20,10 +20,10 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import zerojax as zj  # noqa: E402
+from tests._dist_worker import ROWS, local_rows  # noqa: E402
 from tests.helpers import batches, init_params, loss_fn  # noqa: E402
 
 STEPS = 4
-ROWS = 32
 
 
 def config(stage, nvme: str):
@@ -37,12 +37,6 @@ def config(stage, nvme: str):
 def tx():
     return optax.inject_hyperparams(optax.adamw)(learning_rate=optax.linear_schedule(1e-2, 1e-3, STEPS),
                                                  weight_decay=0.1)
-
-
-def local_rows(batch: dict) -> dict:
-    n, i = jax.process_count(), jax.process_index()
-    per = ROWS // n
-    return {k: v[i * per:(i + 1) * per] for k, v in batch.items()}
 
 
 def main(out: str, stage, nvme: str, ckpt: str | None = None, mode: str = "save") -> None:

@@ -18,7 +18,7 @@ from zerojax._init_rule import abstract_params, split_params_or_init
 from zerojax._low_precision import opt_for_storage
 from zerojax.offload._partial import check_split
 from zerojax._plan import ZeroPlan
-from zerojax.update._recognize import partition_groups
+from zerojax.update._groups import partition_groups
 from zerojax._precision import LossScalerState
 
 

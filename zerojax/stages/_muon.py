@@ -56,7 +56,7 @@ from zerojax._compat import compute_on_host, same_memory_space
 from zerojax._low_precision import round_master
 from zerojax._plan import DEVICE
 from zerojax.stages._muon_owners import _owners, orthogonalise
-from zerojax.update._recognize import partition_groups
+from zerojax.update._groups import partition_groups
 
 try:  # optax's own iteration, so the numbers are optax's
     from optax.contrib._muon import MuonState, orthogonalize_via_newton_schulz

@@ -1,5 +1,6 @@
 """The package's imports run one way: no module imports, directly or through others, a module
-that imports it back. Every import counts, function-local ones included."""
+that imports it back. Every import counts, function-local ones included. And no module grows past
+600 lines."""
 import ast
 import pathlib
 
@@ -99,3 +100,20 @@ def test_no_shim_modules(old):
     with pytest.raises(ModuleNotFoundError):
         importlib.import_module(old)
     assert callable(zj.estimate) and callable(zj.visualize)
+
+
+MAX_MODULE_LINES = 600
+
+
+def long_modules(root: pathlib.Path, limit: int = MAX_MODULE_LINES) -> dict:
+    """Modules under ``root`` longer than ``limit`` lines, with their lengths."""
+    lengths = {str(p.relative_to(root.parent)): len(p.read_text().splitlines()) for p in root.rglob("*.py")}
+    return {name: n for name, n in lengths.items() if n > limit}
+
+
+def test_every_module_stays_under_600_lines(tmp_path):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "long.py").write_text("x = 1\n" * (MAX_MODULE_LINES + 1))
+    (tmp_path / "pkg" / "short.py").write_text("x = 1\n")
+    assert long_modules(tmp_path / "pkg") == {"pkg/long.py": MAX_MODULE_LINES + 1}
+    assert long_modules(ROOT) == {}, "split these modules where their parts separate"

@@ -237,6 +237,9 @@ BUDGET = {
     "tests/runtime/test_faults.py": "75 s idle, 160 s at load 8: 9 launched jobs of 1-2 processes (a stuck process "
                                     "with its 8 s deadline and a restart, SIGTERM at a step and during a save, each "
                                     "resumed) and the watchdog benchmark's smoke run",
+    "tests/tools/test_gpu_plan.py": "XLA:GPU compiles where JAX's CUDA plugin is installed: small GPT steps, and "
+                                    "stage 0 against lean stage 3 at the 12-layer findings shape (two compiles, "
+                                    "40-60 s each); a few seconds without the plugin",
     "tests/stages/test_muon.py": "77 s at load 8: Muon on owners against optax at stages 1-3, with accumulation, "
                                  "stacked leaves and a compile per Newton-Schulz iteration count (994 programs); the "
                                  "balanced owners, the momentum share per device and zero_optimizer on owners",

@@ -265,7 +265,8 @@ def test_overlap_comm_maps_to_asynchronous_collectives_on_gpu():
 
 def test_gpu_collective_combiners_are_bounded_by_the_config_buckets():
     """XLA:GPU would merge the step's bucketed collectives up to its own thresholds: each is the
-    config's bucket (elements, priced at 4 bytes) on every GPU step, overlap or not."""
+    config's bucket (elements, priced at 4 bytes) on every GPU step, overlap or not; XLA measures
+    a collective by its output, a reduce-scatter's being the bucket's share of one device."""
     from zerojax.stages._device_step import compiler_options
 
     shapes = {"w": jax.ShapeDtypeStruct((64, 64), jnp.float32)}
@@ -273,7 +274,7 @@ def test_gpu_collective_combiners_are_bounded_by_the_config_buckets():
     for stage, gather_key in ((1, "allgather_bucket_size"), (3, "prefetch_bucket_size")):
         config = zj.ZeroConfig(stage=stage, reduce_bucket_size=65536, **{gather_key: 58982})
         options = compiler_options(zj.ZeroPlan.create(shapes, mesh, config), "gpu")
-        assert options["xla_gpu_reduce_scatter_combine_threshold_bytes"] == 4 * 65536
+        assert options["xla_gpu_reduce_scatter_combine_threshold_bytes"] == 4 * 65536 // mesh.shape["data"]
         assert options["xla_gpu_all_reduce_combine_threshold_bytes"] == 4 * 65536
         assert options["xla_gpu_all_gather_combine_threshold_bytes"] == 4 * 58982
 

@@ -77,6 +77,20 @@ def test_no_kernel_computes_the_offsets_on_the_cpu():
     assert len(re.findall(r" conditional\(", text)) == 1
 
 
+def test_the_platform_lowered_for_decides_conditional_or_barrier():
+    """The offsets and a bucket's own buffers (C.own_buffers) are a conditional's outputs in a
+    program lowered for the CPU, an optimization barrier's in one lowered for a GPU, whatever
+    this process's backend is: a step compiled here for compile-only GPUs (plan_step's target)
+    is the program a GPU would run."""
+    sizes = [16, 16, 8, 24, 16]
+    traced = jax.jit(lambda flat: C.own_buffers(lambda f: pieces(f, sizes), flat)).trace(jnp.ones(80))
+    cpu, gpu = traced.lower().as_text(), traced.lower(lowering_platforms=("cuda",)).as_text()
+    hidden_predicate = r"optimization_barrier %\w+ : tensor<i1>"  # a conditional's, on the CPU
+    barriered_pieces = r"optimization_barrier( %\w+,){4} %\w+ : (tensor<\d+xf32>, ){4}tensor<16xf32>"
+    assert re.search(hidden_predicate, cpu) and not re.search(barriered_pieces, cpu)
+    assert re.search(barriered_pieces, gpu) and not re.search(hidden_predicate, gpu)
+
+
 def _lowered_gpt_step(stage, scan=False):
     cfg = GPTConfig(vocab=96, n_layer=3, d_model=32, n_head=2, seq_len=8, scan=scan)
     init = functools.partial(init_params, cfg, jax.random.PRNGKey(0))

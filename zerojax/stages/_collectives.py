@@ -200,9 +200,16 @@ def _offsets(starts):
     them (179 -> 128 kernels at 4 layers, 251 -> 152 at 8; DDP 112 and 136). Other backends
     keep the barrier (a conditional there waits on its predicate)."""
     values = lambda: [jnp.int32(start) for start in starts]  # noqa: E731
-    if jax.default_backend() != "cpu":
-        return jax.lax.optimization_barrier(values())
-    return jax.lax.cond(jax.lax.optimization_barrier(jnp.asarray(True)), values, values)
+    return _per_backend(lambda: jax.lax.cond(jax.lax.optimization_barrier(jnp.asarray(True)), values, values),
+                        lambda: jax.lax.optimization_barrier(values()))
+
+
+def _per_backend(cpu, other, *args):
+    """``cpu(*args)`` in a program lowered for the CPU, ``other(*args)`` in one lowered for
+    another platform: the platform the step is compiled for, which is not this process's default
+    backend where a CPU-only process compiles it for GPUs (:func:`zerojax.plan_step`'s
+    ``target``). Only the branch of that platform is lowered."""
+    return jax.lax.platform_dependent(*args, cpu=cpu, default=other)
 
 
 def _row_groups(members, lays, n):
@@ -306,6 +313,5 @@ def own_buffers(fn, x):
     separates them on most backends; the CPU backend expands barriers before fusing, and there
     the values are the outputs of a conditional whose predicate a barrier hides (as
     :func:`_offsets`)."""
-    if jax.default_backend() != "cpu":
-        return list(jax.lax.optimization_barrier(fn(x)))
-    return list(jax.lax.cond(jax.lax.optimization_barrier(jnp.asarray(True)), fn, fn, x))
+    return list(_per_backend(lambda x: jax.lax.cond(jax.lax.optimization_barrier(jnp.asarray(True)), fn, fn, x),
+                             lambda x: jax.lax.optimization_barrier(fn(x)), x))

@@ -196,10 +196,14 @@ def combine_thresholds(plan: ZeroPlan) -> dict:
     backward pass became one at its end, holding every layer's gradient until then. Each combiner
     is bounded by the bucket the config gives it, in bytes of fp32 elements (DeepSpeed's bucket
     sizes count elements): ``reduce_bucket_size`` for reduce-scatters and all-reduces,
-    ``prefetch_bucket_size`` (stage 3) or ``allgather_bucket_size`` for all-gathers."""
+    ``prefetch_bucket_size`` (stage 3) or ``allgather_bucket_size`` for all-gathers. XLA measures
+    a collective by its output, and a reduce-scatter's output is its input over the devices it
+    scatters to: its threshold is the bucket's share of one device, so that the gradients it
+    sends are at most one bucket (at ``n`` times the bucket, XLA:GPU merged two layers'
+    reduce-scatters of a 12-layer GPT, holding both layers' gradients at once)."""
     c = plan.config
     gather = c.prefetch_bucket_size if c.stage == 3 else c.allgather_bucket_size
-    return {"xla_gpu_reduce_scatter_combine_threshold_bytes": 4 * int(c.reduce_bucket_size),
+    return {"xla_gpu_reduce_scatter_combine_threshold_bytes": 4 * int(c.reduce_bucket_size) // max(1, plan.n),
             "xla_gpu_all_reduce_combine_threshold_bytes": 4 * int(c.reduce_bucket_size),
             "xla_gpu_all_gather_combine_threshold_bytes": 4 * int(gather)}
 

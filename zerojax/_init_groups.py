@@ -7,7 +7,9 @@ leaf's random bits, fp32 values and casts at once: on a GPT of 310M params its t
 3.6x the bf16 params it returned (2.15 GiB over 4 devices for 0.62 GiB of params). Here the init
 is traced once, and each group's program is that trace with what the group's leaves do not need
 removed (dead-code elimination), so every leaf is computed by the same operations on the same
-key: the values equal those of the one program.
+key. XLA may fuse a group's fp32 arithmetic otherwise than the whole program's (as the one
+program's already differs from the same init run op by op): a value can differ from the one
+program's in its last bit. An init of at most ``GROUP_BYTES`` runs as one program, as before.
 """
 from __future__ import annotations
 

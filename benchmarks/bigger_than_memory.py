@@ -43,6 +43,7 @@ import tempfile
 import time
 
 CGROUP_ENV = "ZEROJAX_BTM_CGROUP"  # the child joins this group's cgroup.procs before anything else
+PEAK_ENV = "ZEROJAX_BTM_PEAK"  # a file where the child keeps the group's peak over the phases it reset
 
 if __name__ == "__main__":
     if os.environ.get(CGROUP_ENV):
@@ -83,6 +84,7 @@ class Phases:
 
     def __init__(self, group: str | None):
         self.group = group if group and os.path.exists(os.path.join(group, "memory.max_usage_in_bytes")) else None
+        self.peak = 0  # the group's peak over every phase so far (each mark resets the kernel's)
         self._reset()
 
     def _read(self, name: str) -> str:
@@ -106,7 +108,12 @@ class Phases:
         line = f"[memory] {phase}: process peak RSS {st['VmHWM'] / g:.2f} GiB (now {st['VmRSS'] / g:.2f})"
         if self.group:
             stat = {k: int(v) for k, v in (x.split() for x in self._read("memory.stat").splitlines())}
-            line += (f"; cgroup peak {int(self._read('memory.max_usage_in_bytes')) / g:.2f} GiB, now "
+            peak = int(self._read("memory.max_usage_in_bytes"))
+            self.peak = max(self.peak, peak)
+            if os.environ.get(PEAK_ENV):
+                with open(os.environ[PEAK_ENV], "w") as f:
+                    f.write(str(self.peak))
+            line += (f"; cgroup peak {peak / g:.2f} GiB, now "
                      f"{int(self._read('memory.usage_in_bytes')) / g:.2f} = rss {stat['rss'] / g:.2f} + cache "
                      f"{stat['cache'] / g:.2f} (mapped {stat['mapped_file'] / g:.2f}, dirty {stat['dirty'] / g:.2f})")
         print(line, flush=True)
@@ -126,12 +133,16 @@ def run_limited(args) -> int:
     argv = list(sys.argv[1:])
     i = argv.index("--memory-limit")
     del argv[i:i + 2]
-    env = dict(os.environ, **{CGROUP_ENV: path})
+    phase_peaks = os.path.join(tempfile.gettempdir(), f"zerojax-btm-peak-{os.getpid()}")
+    env = dict(os.environ, **{CGROUP_ENV: path, PEAK_ENV: phase_peaks})
     print(f"the job runs in the memory cgroup {path}, capped at {limit / 2**30:.2f} GiB", flush=True)
     try:
         rc = subprocess.call([sys.executable, os.path.abspath(__file__), *argv, "--limited", str(limit)], env=env)
         with open(os.path.join(path, peak_file)) as f:
             peak = int(f.read())
+        if os.path.exists(phase_peaks):  # the phases' peaks, from before the child's last reset
+            with open(phase_peaks) as f:
+                peak = max(peak, int(f.read() or 0))
         with open(os.path.join(path, events_file)) as f:
             events = f.read().strip().replace("\n", ", ")
         print(f"cgroup: peak charged {peak / 2**30:.2f} GiB = {peak / limit:.2f}x the limit of {limit / 2**30:.2f} GiB "
@@ -139,6 +150,8 @@ def run_limited(args) -> int:
         return rc
     finally:
         os.rmdir(path)
+        if os.path.exists(phase_peaks):
+            os.unlink(phase_peaks)
 
 
 def main():

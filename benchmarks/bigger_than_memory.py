@@ -5,7 +5,7 @@ steps cost next to the bytes they move through the disk.
     python benchmarks/bigger_than_memory.py --layers 48 --d 2048 --dir /nvme/scratch
     python benchmarks/bigger_than_memory.py --smoke               # tiny, seconds: the script runs
     sudo python benchmarks/bigger_than_memory.py --layers 24 --d 1024 --seq 32 --batch 4 --steps 19 \
-        --devices 4 --buckets auto --memory-limit 3.8             # the job capped at 3.8 GiB (cgroup)
+        --devices 4 --buckets auto --memory-limit 2.6             # the job capped at 2.6 GiB (cgroup)
 
 Stage 3 (``max_reuse_distance: 0``), bf16, AdamW, ``offload_param`` and ``offload_optimizer`` both ``"nvme"`` on 8 simulated
 devices: the 16-bit params, fp32 master and both moments (14 bytes a param, in two slots) live in
@@ -28,7 +28,10 @@ the drive where the kernel allows it. Printed:
 simulated devices' memory, the host buffers, the page cache of the store's files and the runtime
 all count against the limit, as on a machine of that size. It prints the training state (fp32
 master, both moments and the 16-bit params: 14 bytes a param) against the limit (goal >= 1.5x),
-the loss of every step, and the largest memory the group was charged.
+the loss of every step, and the largest memory the group was charged; and, phase by phase (the
+imports, the params made, the step made with its store written, the first step, each step), the
+group's peak charge in the phase (cgroup v1), its charge after it as anonymous memory and page
+cache, and the process's peak resident set in the phase.
 """
 from __future__ import annotations
 
@@ -40,6 +43,7 @@ import tempfile
 import time
 
 CGROUP_ENV = "ZEROJAX_BTM_CGROUP"  # the child joins this group's cgroup.procs before anything else
+PEAK_ENV = "ZEROJAX_BTM_PEAK"  # a file where the child keeps the group's peak over the phases it reset
 
 if __name__ == "__main__":
     if os.environ.get(CGROUP_ENV):
@@ -72,6 +76,50 @@ def _cgroup(limit: int):
     raise SystemExit("--memory-limit needs a memory cgroup (v1 at /sys/fs/cgroup/memory or v2 at /sys/fs/cgroup)")
 
 
+class Phases:
+    """Where a limited job's memory goes, phase by phase: at each :meth:`mark` the cgroup's peak
+    charge since the last mark (v1's ``memory.max_usage_in_bytes``, reset at each mark), its
+    charge now split as ``memory.stat`` does (anonymous rss, page cache, of which mapped and
+    dirty), and the process's peak resident set since the last mark (VmHWM, reset likewise)."""
+
+    def __init__(self, group: str | None):
+        self.group = group if group and os.path.exists(os.path.join(group, "memory.max_usage_in_bytes")) else None
+        self.peak = 0  # the group's peak over every phase so far (each mark resets the kernel's)
+        self._reset()
+
+    def _read(self, name: str) -> str:
+        with open(os.path.join(self.group, name)) as f:
+            return f.read()
+
+    def _reset(self) -> None:
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # VmHWM := VmRSS
+        except OSError:
+            pass
+        if self.group:
+            with open(os.path.join(self.group, "memory.max_usage_in_bytes"), "w") as f:
+                f.write("0")
+
+    def mark(self, phase: str) -> None:
+        g = 2**30
+        with open("/proc/self/status") as f:
+            st = {k: int(v.split()[0]) * 1024 for k, v in (line.split(":", 1) for line in f) if k in ("VmHWM", "VmRSS")}
+        line = f"[memory] {phase}: process peak RSS {st['VmHWM'] / g:.2f} GiB (now {st['VmRSS'] / g:.2f})"
+        if self.group:
+            stat = {k: int(v) for k, v in (x.split() for x in self._read("memory.stat").splitlines())}
+            peak = int(self._read("memory.max_usage_in_bytes"))
+            self.peak = max(self.peak, peak)
+            if os.environ.get(PEAK_ENV):
+                with open(os.environ[PEAK_ENV], "w") as f:
+                    f.write(str(self.peak))
+            line += (f"; cgroup peak {peak / g:.2f} GiB, now "
+                     f"{int(self._read('memory.usage_in_bytes')) / g:.2f} = rss {stat['rss'] / g:.2f} + cache "
+                     f"{stat['cache'] / g:.2f} (mapped {stat['mapped_file'] / g:.2f}, dirty {stat['dirty'] / g:.2f})")
+        print(line, flush=True)
+        self._reset()
+
+
 def run_limited(args) -> int:
     """The training in a child process capped at ``args.memory_limit`` GiB; prints the group's peak."""
     import subprocess
@@ -85,12 +133,16 @@ def run_limited(args) -> int:
     argv = list(sys.argv[1:])
     i = argv.index("--memory-limit")
     del argv[i:i + 2]
-    env = dict(os.environ, **{CGROUP_ENV: path})
+    phase_peaks = os.path.join(tempfile.gettempdir(), f"zerojax-btm-peak-{os.getpid()}")
+    env = dict(os.environ, **{CGROUP_ENV: path, PEAK_ENV: phase_peaks})
     print(f"the job runs in the memory cgroup {path}, capped at {limit / 2**30:.2f} GiB", flush=True)
     try:
         rc = subprocess.call([sys.executable, os.path.abspath(__file__), *argv, "--limited", str(limit)], env=env)
         with open(os.path.join(path, peak_file)) as f:
             peak = int(f.read())
+        if os.path.exists(phase_peaks):  # the phases' peaks, from before the child's last reset
+            with open(phase_peaks) as f:
+                peak = max(peak, int(f.read() or 0))
         with open(os.path.join(path, events_file)) as f:
             events = f.read().strip().replace("\n", ", ")
         print(f"cgroup: peak charged {peak / 2**30:.2f} GiB = {peak / limit:.2f}x the limit of {limit / 2**30:.2f} GiB "
@@ -98,6 +150,8 @@ def run_limited(args) -> int:
         return rc
     finally:
         os.rmdir(path)
+        if os.path.exists(phase_peaks):
+            os.unlink(phase_peaks)
 
 
 def main():
@@ -156,12 +210,23 @@ def main():
         read_ahead = dict(offload_param_buffer_count=4, offload_param_buffer_size=12 * d2)
     try:
         rss_base = RssSampler().rss()  # after the imports: jax and its runtime
+        phases = Phases(os.environ.get(CGROUP_ENV)) if args.limited else None
+        mark = phases.mark if phases else (lambda phase: None)
+        mark("the imports")
         config = zj.ZeroConfig(**common, **read_ahead, offload_optimizer="nvme", offload_param="nvme", nvme_path=nvme,
                                sub_group_size=1 << 22)
         # an init function: the params are created in their sharded layout, never whole on one device
         state = zj.shard_train_state(zj.init_fn(lambda key: gpt.init_params(cfg, key)), tx, config=config,
                                      rng=jax.random.PRNGKey(0))
+        if phases:
+            jax.block_until_ready(state)  # the init runs asynchronously: its memory belongs to this phase
+        mark("the params made on the devices")
         step = zj.make_train_step(loss_fn, state)
+        # the step wrote the params to the store's files: the state need not hold them on the
+        # devices through the first step (the state a step returns holds their shapes only)
+        state = state.replace(params=step.placeholders())
+        gc.collect()
+        mark("the step made: the store created, the params written to it")
         n = step.layout.total  # elements on disk, padding included
         machine = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         slot = 14 * n
@@ -176,11 +241,11 @@ def main():
         per_dev = 0 if compiled is None else (compiled.argument_size_in_bytes + compiled.output_size_in_bytes
                                               + compiled.temp_size_in_bytes - compiled.alias_size_in_bytes)
         devices_bytes = per_dev * state.plan.n
-        # the first step compiles and writes the params the state was made with to their files; the
-        # state it returns holds their shapes only
+        # the first step compiles the device part
         state, m = step(state, batch)
         losses = [float(m["loss"])]
         gc.collect()
+        mark("the first step (compile included)")
         times, compute, mem_losses = [], [], []
         with RssSampler(0.002) as rss:  # the NVMe run alone: nothing else of the model in memory
             for _ in range(args.steps):
@@ -191,6 +256,7 @@ def main():
                 times.append(time.perf_counter() - t)
                 if args.limited:
                     print(f"step {len(losses)}: loss {losses[-1]:.4f}, {times[-1]:.1f} s", flush=True)
+                    mark(f"step {len(losses)}")
         grow = rss.peak - rss_base
         print("losses: " + ", ".join(f"{x:.4f}" for x in losses)
               + ("  (falling)" if losses[-1] < losses[0] else "  (NOT falling)"))

@@ -207,6 +207,27 @@ def test_init_fn_builds_the_same_state_as_params():
         assert a.sharding == b.sharding
 
 
+@pytest.mark.parametrize("stage", [1, 3])
+def test_init_fn_in_groups_equals_one_program(stage, monkeypatch):
+    """An init bigger than a group runs as several programs (the trace less what a group's leaves
+    do not need): the state equals the one program's, shardings included (XLA may fuse a group's
+    fp32 arithmetic otherwise than the whole program's: an ulp at most)."""
+    from zerojax import _init_groups
+
+    key = jax.random.PRNGKey(5)
+    config = zj.ZeroConfig(stage=stage, precision="bf16", param_persistence_threshold=0)
+    one = zj.shard_train_state(init_params, optax.adamw(1e-3), config=config, rng=key)
+    runs = []
+    real = _init_groups._groups
+    monkeypatch.setattr(_init_groups, "GROUP_BYTES", 256)
+    monkeypatch.setattr(_init_groups, "_groups", lambda n, limit: runs.append(real(n, limit)) or runs[-1])
+    grouped = zj.shard_train_state(init_params, optax.adamw(1e-3), config=config, rng=key)
+    assert len(runs) == 1 and len(runs[0]) > 1
+    for a, b in zip(jax.tree_util.tree_leaves(one), jax.tree_util.tree_leaves(grouped)):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2.5e-7, atol=1e-7)
+        assert a.sharding == b.sharding and a.dtype == b.dtype
+
+
 def test_metrics_report_learning_rate_and_step(params):
     tx = optax.inject_hyperparams(optax.adamw)(learning_rate=optax.linear_schedule(1e-2, 0.0, 10))
     state = zj.shard_train_state(params, tx, config=zj.ZeroConfig(stage=2))

@@ -14,6 +14,7 @@ import zerojax._placement as placement
 from zerojax._autotp import mesh_for
 from zerojax._errors import StateError
 from zerojax.config import ZeroConfig
+from zerojax._init_groups import init_in_groups
 from zerojax._init_rule import abstract_params, split_params_or_init
 from zerojax._low_precision import opt_for_storage
 from zerojax.offload._partial import check_split
@@ -134,7 +135,8 @@ def shard_train_state(
     sh = state_shardings(plan, tx)
     out_shardings = (sh.params, sh.master, sh.opt_state)
     if init_fn is not None:
-        params, master, opt_state = jax.jit(lambda k: build(init_fn(k)), out_shardings=out_shardings)(init_key)
+        # in groups of leaves: the init's temporaries are a group's, not the whole model's
+        params, master, opt_state = init_in_groups(lambda k: build(init_fn(k)), out_shardings, init_key)
     else:
         # Replicate onto the mesh first so arrays living elsewhere (numpy, another device) are accepted.
         in_tree = plan.map(lambda lay, x: jax.device_put(x, NamedSharding(mesh, lay.spec(False, plan.data_axis))),

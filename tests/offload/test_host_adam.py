@@ -146,6 +146,30 @@ def test_flat_layout_round_trip_and_views():
         layout.flatten({"a": np.zeros((3, 2)), "b": tree["b"]})
 
 
+def test_leaf_source_reads_in_order_and_lets_go_of_passed_leaves():
+    """FlatLayout.source: [a:b] copies those elements one leaf at a time; with once=True each leaf
+    is let go once the reads have passed it; host_copy does not cache the host copy on the array."""
+    from zerojax.offload._flat import host_copy
+
+    leaves = [jnp.arange(5, dtype=jnp.float32), jnp.arange(3, dtype=jnp.float32) + 10, jnp.ones((2, 2), jnp.float32)]
+    layout = FlatLayout.from_tree([jax.ShapeDtypeStruct(x.shape, np.float32) for x in leaves])
+    whole = np.concatenate([np.asarray(x).reshape(-1) for x in leaves])
+    src = layout.source(list(leaves), np.float32, once=True)
+    np.testing.assert_array_equal(src[0:4], whole[0:4])
+    assert src.leaves[0] is not None
+    np.testing.assert_array_equal(src[4:9], whole[4:9])  # passes leaf 0 and 1
+    assert src.leaves[0] is None and src.leaves[1] is None and src.leaves[2] is not None
+    np.testing.assert_array_equal(src[9:12], whole[9:12])
+    with pytest.raises(ValueError, match="read past"):
+        src[0:2]
+    again = layout.source(leaves, np.float32)  # not once: any order, nothing let go
+    np.testing.assert_array_equal(again[6:12], whole[6:12])
+    np.testing.assert_array_equal(again[0:3], whole[0:3])
+    x = jnp.arange(8.0)
+    np.testing.assert_array_equal(host_copy(x), np.arange(8.0))
+    assert getattr(x, "_npy_value", None) is None
+
+
 # -- compiled path (host_zeros buffers) ----------------------------------------------------
 
 def _spy_numpy_path(monkeypatch):

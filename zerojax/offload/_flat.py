@@ -13,7 +13,20 @@ import numpy as np
 from zerojax._errors import ConfigError
 from zerojax.offload._host_buffers import host_or_numpy
 
-__all__ = ["FlatLayout"]
+__all__ = ["FlatLayout", "host_copy"]
+
+
+def host_copy(x) -> np.ndarray:
+    """``x`` on the host as a fresh numpy array. A jax array's shards are copied one by one, so the
+    copy is not cached on the array (``np.asarray`` of a sharded jax array keeps the host copy as
+    long as the array lives: a whole model's worth while the params or gradients stream to the host)."""
+    shards = getattr(x, "addressable_shards", None)
+    if shards is None or not getattr(x, "is_fully_addressable", False):
+        return np.asarray(x)
+    out = np.empty(x.shape, x.dtype)
+    for s in shards:
+        out[s.index] = np.asarray(s.data)
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,12 +103,14 @@ class FlatLayout:
             np.copyto(view, np.asarray(leaf), casting="same_kind")
         return flat
 
-    def source(self, leaves, dtype, host=None) -> "LeafSource":
+    def source(self, leaves, dtype, host=None, once: bool = False) -> "LeafSource":
         """A read-only flat view of ``leaves`` (flatten order, one dtype) whose ``[a:b]`` copies only
         those elements, bringing one leaf to the host at a time: the host never holds the whole
         flat buffer (the NVMe store reads its sub-groups in order). ``host(i, leaf)``: leaf ``i`` as
-        a host array of its shape in this layout (default ``np.asarray(leaf)``)."""
-        return LeafSource(self, list(leaves), np.dtype(dtype), host)
+        a host array of its shape in this layout (default :func:`host_copy`). ``once``: the view is
+        read once, in order, so it lets go of each leaf as soon as the reads have passed it (the
+        gradients' device buffers, where it holds the last reference, go one by one)."""
+        return LeafSource(self, list(leaves), np.dtype(dtype), host, once)
 
     @property
     def total(self) -> int:
@@ -110,16 +125,23 @@ class LeafSource:
     """:meth:`FlatLayout.source`: ``shape``, ``ndim``, ``size``, ``dtype`` and ``[a:b]`` of the flat
     buffer the leaves would fill."""
 
-    def __init__(self, layout: FlatLayout, leaves: list, dtype, host=None):
-        self.layout, self.leaves, self.dtype = layout, leaves, dtype
-        self.host = host if host is not None else (lambda i, leaf: np.asarray(leaf))
+    def __init__(self, layout: FlatLayout, leaves: list, dtype, host=None, once: bool = False):
+        self.layout, self.leaves, self.dtype, self.once = layout, leaves, dtype, once
+        self.host = host if host is not None else (lambda i, leaf: host_copy(leaf))
         self.size = layout.total
         self.shape, self.ndim = (self.size,), 1
         self._ends = np.cumsum([math.prod(s) for s in layout.shapes])
         self._held: dict = {}
+        self._passed = 0  # once: the leaves before this one are let go
 
     def _leaf(self, i: int) -> np.ndarray:
         if i not in self._held:
+            if self.once:
+                if i < self._passed:
+                    raise ValueError(f"LeafSource(once=True): leaf {i} was read past already")
+                for j in range(self._passed, i):  # the reads have passed these
+                    self.leaves[j] = None
+                self._passed = i
             self._held = {i: np.ascontiguousarray(self.host(i, self.leaves[i])).reshape(-1)}
         return self._held[i]
 

@@ -34,7 +34,7 @@ import zerojax._placement as placement
 from zerojax.runtime import _watchdog
 from zerojax._contract import StepBase
 from zerojax._errors import ConfigError, StateError
-from zerojax.offload._flat import FlatLayout
+from zerojax.offload._flat import FlatLayout, host_copy
 from zerojax.offload._host_buffers import release
 from zerojax.offload._host_rule import HostOptimizer
 from zerojax.offload._nvme import NvmeOptimizerStore, _validate_dir
@@ -279,8 +279,8 @@ class HostLoopStep(StepBase):
         def host(i, x):  # leaf i in the store's layout: split dimension first on disk, else the user's shape
             lay = plan.leaves[i]
             if not lay.params_partitioned:
-                return np.asarray(x)
-            return np.moveaxis(np.asarray(x), lay.axis, 0) if self.disk is not None else np.asarray(placement.unpad(x, lay))
+                return host_copy(x)
+            return np.moveaxis(host_copy(x), lay.axis, 0) if self.disk is not None else host_copy(placement.unpad(x, lay))
 
         return self.layout.source(leaves, np.float32, host)
 
@@ -325,19 +325,21 @@ class HostLoopStep(StepBase):
             elif self.gathers:
                 self.layout.fill(self.grads, grads)
                 flat_grads = self.grads
-            else:  # one leaf on the host at a time, as the store's sub-groups ask for it
-                flat_grads = self.layout.source(grads, self.grads_dtype)
+            else:  # one leaf on the host at a time, as the store's sub-groups ask for it; each
+                # leaf's device buffer goes once the reads have passed it
+                flat_grads = self.layout.source(grads, self.grads_dtype, once=True)
+            del grads
             self.count += 1
             if self.muon is not None:  # the momentum read from the store, orthogonalised on owners
                 m = self.store.read("m") if hasattr(self.store, "read") else self.store.m
-                self.host_opt.prepare(self.grads, m, self.count)
+                self.host_opt.prepare(flat_grads, m, self.count)
             else:
                 self.host_opt.use(self.settings.next())
             # a failed write raises NvmeError here; the store keeps its last committed step and
             # the caller's state (not donated) is untouched
             self.store.step(flat_grads, self.count, lr=float(hp["learning_rate"]), out16=self.out16,
                             **self._commit_extra(int(state.step) + 1))
-            del flat_grads, grads  # the gradients' device buffers go before the params are placed
+            del flat_grads  # the gradients' device buffers go before the params are placed
             _watchdog.record("host update", detail="nvme")
             if self.disk is None:
                 flat = self.out16 if self.out16 is not None else self.store.read_master()

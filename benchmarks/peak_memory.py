@@ -68,6 +68,8 @@ def main():
     ap.add_argument("--optimizer", default="adamw", choices=("adamw", "sgd"))
     ap.add_argument("--shape", choices=("findings",), help="a named shape (see above)")
     ap.add_argument("--breakdown", action="store_true", help="what is alive at each stage-3 peak")
+    ap.add_argument("--reduce-bucket", type=int, default=None, help="reduce_bucket_size (default: DeepSpeed's 5e8; "
+                    "XLA:GPU bounds its collective combiners by it)")
     ap.add_argument("--target", default=None, help="compile with XLA's GPU compiler for 8 "
                     "compile-only GPUs of this kind (h100, h200, a100; needs JAX's CUDA plugin)")
     args = ap.parse_args()
@@ -90,8 +92,9 @@ def main():
             lean = {"max_reuse_distance": 0} if str(stage).startswith("3 ") else {}
             if stage == "3 sliced":  # max_live_parameters of one bucket: block matrices sliced too
                 lean["max_live_parameters"] = bucket
+            rb = {} if args.reduce_bucket is None else {"reduce_bucket_size": args.reduce_bucket}
             config = zj.ZeroConfig(stage=3 if lean else stage, precision=args.precision,
-                                   prefetch_bucket_size=bucket, **lean)
+                                   prefetch_bucket_size=bucket, **lean, **rb)
             if args.target:
                 p = zj.plan_step(functools.partial(init_params, cfg), loss_fn(cfg), batch, devices=n, config=config,
                                  tx=tx, target=args.target)

@@ -14,14 +14,24 @@ N = 1 (on a CPU the figure says little beyond "it runs").
 
     python benchmarks/long_context.py                    # lengths 256 .. 4096
     python benchmarks/long_context.py --smoke            # one length, a tiny model
+    python benchmarks/long_context.py --target h100      # the peaks of XLA:GPU, 8 compile-only H100s
+
+``--target h100`` (or ``h200``, ``a100``; needs JAX's CUDA plugin) compiles each step with XLA's
+GPU compiler for 8 compile-only GPUs of that kind, as ``zj.plan_step(..., target=...)`` does: the
+peaks are XLA:GPU's, in GPU memory only (the checkpointed activations XLA:CPU counts in the same
+address space go to pinned host memory), and there is no step time.
 """
 import argparse
+import os
 import re
+import sys
 import time
 
 from _common import simulate_devices
 
 simulate_devices(8)
+if "--target" in sys.argv:  # compiling for compile-only GPUs in this process: JAX on the CPU only
+    os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -77,10 +87,19 @@ def all_to_all_bytes(text):
     return total
 
 
-def measure(cfg, n, lean, seq, chunk):
+def measure(cfg, n, lean, seq, chunk, target=None):
     cfg = gpt.GPTConfig(**{**cfg.__dict__, "seq_len": seq})
     state, step, mesh, made = build(cfg, n, lean, chunk)
-    compiled = step.lower(state, abstract_batch(mesh, seq)).compile()
+    if target:  # lowered over the CPU mesh for CUDA, compiled by XLA:GPU (as zj.plan_step does)
+        from zerojax._compat import compile_lowered_for
+        from zerojax.stages._device_step import compiler_options
+        from zerojax.tools._gpu import target_devices
+
+        lowered = step.trace(state, abstract_batch(mesh, seq)).lower(lowering_platforms=("cuda",))
+        gpus = np.array(target_devices(target, mesh.devices.size)).reshape(mesh.devices.shape)
+        compiled = compile_lowered_for(lowered, list(gpus.flat), compiler_options(state.plan, "gpu"))
+    else:
+        compiled = step.lower(state, abstract_batch(mesh, seq)).compile()
     mem = compiled.memory_analysis()
     peak = mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes - mem.alias_size_in_bytes
     return peak, (compiled, state, mesh, *made)
@@ -119,6 +138,8 @@ def main():
     ap.add_argument("--chunk", type=int, default=128, help="tiled loss chunk (tokens)")
     ap.add_argument("--attn-chunk", type=int, default=None,
                     help="query rows attention takes at a time (default: zj.ulysses_attention chooses)")
+    ap.add_argument("--target", default=None, help="compile with XLA's GPU compiler for 8 compile-only GPUs of "
+                    "this kind (h100, h200, a100; needs JAX's CUDA plugin)")
     args = ap.parse_args()
     if args.smoke:
         args.layers, args.d, args.vocab, args.lengths = 2, 32, 64, [64]
@@ -127,24 +148,26 @@ def main():
                         attn_chunk=args.attn_chunk)
     modes = [(False, "plain")] if args.smoke else [(False, "plain"), (True, "ckpt+cpu+tiled")]
     chunk = f"attention in chunks of {args.attn_chunk} queries" if args.attn_chunk else "attention chunk chosen"
-    print(f"GPT {args.layers} layers, d {args.d}, {args.heads} heads, vocab {args.vocab}, {chunk}; 8 devices, "
+    where = f"XLA:GPU for 8 compile-only {args.target} GPUs" if args.target else "8 devices"
+    print(f"GPT {args.layers} layers, d {args.d}, {args.heads} heads, vocab {args.vocab}, {chunk}; {where}, "
           f"stage 1, fp32, AdamW, one sequence per data-parallel group; peak MiB per device")
     print(f"{'seq':>6} " + " ".join(f"{f'N={n} {name}':>22}" for _, name in modes for n in (1, 8))
-          + f" {'a2a KiB/layer':>14} {'/ 2x4sh/P':>10}")
+          + ("" if args.target else f" {'a2a KiB/layer':>14} {'/ 2x4sh/P':>10}"))
     peaks, a2a, steps = {}, {}, {}
     for seq in args.lengths:
         row = []
         for lean, name in modes:
             for n in (1, 8):
-                peak, measured = measure(cfg, n, lean, seq, args.chunk)
+                peak, measured = measure(cfg, n, lean, seq, args.chunk, args.target)
                 peaks[(n, name, seq)] = peak
                 row.append(f"{peak / MIB:>22.2f}")
-                if n == 8 and not lean:
+                if n == 8 and not lean and not args.target:  # (XLA:GPU's all-to-alls are not read)
                     a2a[seq] = all_to_all_bytes(measured[0].as_text())  # the scan body: one layer, fwd and bwd
                 if seq == args.lengths[0] and not lean:
                     steps[n] = measured  # timed below
         paper = 2 * 4 * seq * args.d * 4 / 8  # 4·s·h/P fp32 elements a pass, forward and backward, one layer
-        print(f"{seq:>6} " + " ".join(row) + f" {a2a[seq] / 1024:>14.1f} {a2a[seq] / paper:>10.2f}", flush=True)
+        a2a_text = "" if args.target else f" {a2a[seq] / 1024:>14.1f} {a2a[seq] / paper:>10.2f}"
+        print(f"{seq:>6} " + " ".join(row) + a2a_text, flush=True)
     budget = args.budget_mib * MIB if args.budget_mib else peaks[(1, "plain", args.lengths[min(1, len(args.lengths) - 1)])]
     print(f"\nbudget {budget / MIB:.2f} MiB per device: the longest sequence that fits")
     for _, name in modes:
@@ -153,6 +176,8 @@ def main():
         ratio = fits[8] / fits[1] if fits[1] else float("nan")
         print(f"  {name:>16}: N=1 {fits[1]}, N=8 {fits[8]}{'+' if more else ''} -> {ratio:.1f}x"
               f"{' (at least: the longest length tried fits)' if more else ''} (goal >= 6x)")
+    if args.target:
+        return
     seq = args.lengths[0]
     t1, l1 = step_time(cfg, seq, steps[1])
     t8, l8 = step_time(cfg, seq, steps[8])

@@ -18,6 +18,10 @@ matrices too) is gathered slice by slice: whole against sliced gathers, side by 
     python benchmarks/peak_memory.py [--layers 12] [--seq 128] [--optimizer sgd]
     python benchmarks/peak_memory.py --layers 2 --d 96 --vocab 1000 --seq 16 --no-scan   # tiny
     python benchmarks/peak_memory.py --shape findings [--breakdown] [--target h100]
+    python benchmarks/peak_memory.py --target h100 [--no-scan]   # XLA:GPU, 8 compile-only H100s
+
+``--target h100`` (or ``h200``, ``a100``; needs JAX's CUDA plugin) compiles every step with XLA's
+GPU compiler for 8 compile-only GPUs of that kind (``zj.plan_step``) instead of XLA:CPU.
 
 ``--shape findings``: 12 layers, d 256, 4 heads, vocab 8192, context 64, 32 tokens a device (batch
 8 x 33), every param partitioned (``param_persistence_threshold=0``), the auto bucket; stage 0,
@@ -27,6 +31,7 @@ alive at its peak: gathered param buckets (forward or backward), pieces cut from
 on their way to a reduce-scatter, the rest (``_live.py``).
 """
 import argparse
+import functools
 import os
 import sys
 import tempfile
@@ -63,7 +68,9 @@ def main():
     ap.add_argument("--optimizer", default="adamw", choices=("adamw", "sgd"))
     ap.add_argument("--shape", choices=("findings",), help="a named shape (see above)")
     ap.add_argument("--breakdown", action="store_true", help="what is alive at each stage-3 peak")
-    ap.add_argument("--target", default=None, help="with --shape findings: compile with XLA's GPU compiler for 8 "
+    ap.add_argument("--reduce-bucket", type=int, default=None, help="reduce_bucket_size (default: DeepSpeed's 5e8; "
+                    "XLA:GPU bounds its collective combiners by it)")
+    ap.add_argument("--target", default=None, help="compile with XLA's GPU compiler for 8 "
                     "compile-only GPUs of this kind (h100, h200, a100; needs JAX's CUDA plugin)")
     args = ap.parse_args()
     if args.shape == "findings":
@@ -75,8 +82,9 @@ def main():
     for scan in (False,) if args.no_scan else (False, True):
         cfg = GPTConfig(vocab=args.vocab, n_layer=args.layers, d_model=args.d, n_head=args.heads, seq_len=args.seq, scan=scan)
         batch = {"tokens": jax.ShapeDtypeStruct((n, cfg.seq_len + 1), np.int32)}
+        where = f"XLA:GPU for 8 compile-only {args.target} GPUs" if args.target else f"{n} devices"
         print(f"GPT {cfg.n_params / 1e6:.1f}M params, {'lax.scan' if scan else 'Python loop'}, {args.optimizer}, {args.precision}, "
-              f"{n} devices, {args.seq} tokens per device")
+              f"{where}, {args.seq} tokens per device")
         print(f"{'stage':>8} {'peak MiB':>9} {'vs stage 0':>10} {'stored MiB':>11} {'temporaries MiB':>16}")
         peaks = {}
         bucket = int(0.9 * args.d**2)  # DeepSpeed's "auto" prefetch bucket: 0.9 * hidden^2 elements
@@ -84,11 +92,17 @@ def main():
             lean = {"max_reuse_distance": 0} if str(stage).startswith("3 ") else {}
             if stage == "3 sliced":  # max_live_parameters of one bucket: block matrices sliced too
                 lean["max_live_parameters"] = bucket
+            rb = {} if args.reduce_bucket is None else {"reduce_bucket_size": args.reduce_bucket}
             config = zj.ZeroConfig(stage=3 if lean else stage, precision=args.precision,
-                                   prefetch_bucket_size=bucket, **lean)
-            state = zj.abstract_train_state(lambda k: init_params(cfg, k), tx, mesh=mesh, config=config)
-            step = zj.make_train_step(loss_fn(cfg), state)
-            peak = zj.peak_memory(step, state, batch)
+                                   prefetch_bucket_size=bucket, **lean, **rb)
+            if args.target:
+                p = zj.plan_step(functools.partial(init_params, cfg), loss_fn(cfg), batch, devices=n, config=config,
+                                 tx=tx, target=args.target)
+                peak = PeakMemory(p.argument_bytes, p.output_bytes, p.temp_bytes, p.alias_bytes)
+            else:
+                state = zj.abstract_train_state(lambda k: init_params(cfg, k), tx, mesh=mesh, config=config)
+                step = zj.make_train_step(loss_fn(cfg), state)
+                peak = zj.peak_memory(step, state, batch)
             peaks[stage] = peak
             stored = zj.estimate(jax.eval_shape(lambda k: init_params(cfg, k), jax.random.PRNGKey(0)), mesh, config, tx=tx)
             print(f"{str(stage):>8} {peak.peak / mib:>9.1f} {peak.peak / peaks[0].peak:>9.3f}x "
@@ -118,8 +132,6 @@ def findings(show_breakdown: bool, target=None):
     """Stage 0 against stage 3 (default distance, distance 0) on FINDINGS' 12-layer d 256 GPT;
     with ``target``, compiled by XLA:GPU for 8 compile-only GPUs of that kind (zj.plan_step), once
     with DeepSpeed's default reduce bucket and once with Hugging Face's "auto" one (d^2)."""
-    import functools
-
     import _live
 
     mesh = zj.make_mesh()

@@ -16,14 +16,23 @@
    cores: they show the per-step overhead of the schedule, not a GPU's overlap.
 
     python benchmarks/pipeline.py [--smoke] [--rounds 5]
+    python benchmarks/pipeline.py --target h100   # section 2's peaks by XLA:GPU, 8 compile-only H100s
+
+``--target h100`` (or ``h200``, ``a100``; needs JAX's CUDA plugin) compiles section 2's steps with
+XLA's GPU compiler for 8 compile-only GPUs of that kind, as ``zj.plan_step(..., target=...)``
+does, and prints their stored state and peaks (no step time; section 1 is not run).
 """
 import argparse
+import os
 import statistics
+import sys
 import time
 
 from _common import simulate_devices
 
 simulate_devices(8)
+if "--target" in sys.argv:  # compiling for compile-only GPUs in this process: JAX on the CPU only
+    os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -72,7 +81,20 @@ def contenders(cfg, micro):
     return out
 
 
-def versus(cfg, micro, rounds):
+def gpu_peak(step, state, batch, target):
+    """The peak XLA:GPU plans for ``step`` on compile-only GPUs of ``target`` (as zj.plan_step compiles)."""
+    from zerojax._compat import compile_lowered_for
+    from zerojax.stages._device_step import compiler_options
+    from zerojax.tools._gpu import target_devices
+
+    mesh = state.plan.mesh
+    lowered = step.trace(state, batch).lower(lowering_platforms=("cuda",))
+    gpus = np.array(target_devices(target, mesh.devices.size)).reshape(mesh.devices.shape)
+    m = compile_lowered_for(lowered, list(gpus.flat), compiler_options(state.plan, "gpu")).memory_analysis()
+    return m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
+
+
+def versus(cfg, micro, rounds, target=None):
     params = init_pipeline_params(cfg, jax.random.PRNGKey(0))
     pipe, tx = gpt_pipeline(cfg), optax.adamw(1e-4)
     batch = tokens(cfg, 8 * micro, seed=1)  # the same global batch for everyone
@@ -82,18 +104,28 @@ def versus(cfg, micro, rounds):
         config = dict(config, gradient_accumulation_steps=micro if pipelined else 1)
         state = zj.shard_train_state(params, tx, mesh=zj.make_mesh(shape, axes), config=zj.ZeroConfig(**config))
         step = zj.make_train_step(pipe if pipelined else pipe.loss, state, donate=False)
+        if target:
+            runs[name] = dict(peak=gpu_peak(step, state, batch, target), stored=zj.memory_report(state).max_bytes())
+            continue
         compiled = step.lower(state, batch).compile()  # one compile for the peak and the runs
         m = compiled.memory_analysis()  # zj.peak_memory's sum
         peak = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
         stored = zj.memory_report(state).max_bytes()
         _, metrics = compiled(state, batch)
         runs[name] = dict(step=compiled, state=state, peak=peak, stored=stored, times=[], loss=float(metrics["loss"]))
+    n_params = sum(x.size for x in jax.tree_util.tree_leaves(params))
+    if target:
+        print(f"\n2. GPT {cfg.n_layer} layers, d {cfg.d_model}, vocab {cfg.vocab} ({n_params / 1e6:.2f} M params), "
+              f"global batch {8 * micro} x {cfg.seq_len}, AdamW fp32, XLA:GPU for 8 compile-only {target} GPUs")
+        print(f"{'':<28} {'stored MiB/device':>18} {'peak MiB/device':>16}")
+        for name, r in runs.items():
+            print(f"{name:<28} {r['stored'] / MIB:>18.3f} {r['peak'] / MIB:>16.3f}")
+        return
     for _ in range(rounds):  # interleaved rounds
         for r in runs.values():
             t0 = time.perf_counter()
             jax.block_until_ready(r["step"](r["state"], batch)[1])
             r["times"].append(time.perf_counter() - t0)
-    n_params = sum(x.size for x in jax.tree_util.tree_leaves(params))
     print(f"\n2. GPT {cfg.n_layer} layers, d {cfg.d_model}, vocab {cfg.vocab} ({n_params / 1e6:.2f} M params), "
           f"global batch {8 * micro} x {cfg.seq_len}, AdamW fp32, 8 devices, {rounds} rounds")
     print(f"{'':<28} {'step ms (median)':>17} {'stored MiB/device':>18} {'peak MiB/device':>16} {'loss':>8}")
@@ -106,7 +138,14 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, one case of each section (seconds)")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--target", default=None, help="section 2's peaks compiled by XLA:GPU for 8 compile-only GPUs "
+                    "of this kind (h100, h200, a100; needs JAX's CUDA plugin)")
     args = ap.parse_args()
+    if args.target:
+        cfg = GPTConfig(vocab=32, n_layer=4, d_model=16, n_head=2, seq_len=4) if args.smoke else \
+            GPTConfig(vocab=512, n_layer=8, d_model=128, n_head=4, seq_len=32)
+        versus(cfg, 2 if args.smoke else 8, 0, args.target)
+        return
     if args.smoke:
         cfg = GPTConfig(vocab=32, n_layer=4, d_model=16, n_head=2, seq_len=4)
         bubble(cfg, [2], [2], ["1f1b"])

@@ -166,6 +166,10 @@ SLOW = {
     "tests/tools/test_autotune.py::test_table_covers_every_candidate_and_fits_follow_compiled_peaks": "many compiles",
     "tests/tools/test_autotune.py::test_recommendation_fits_and_moves_when_the_budget_drops_below_it": "many compiles",
     "tests/tools/test_autotune.py::test_timed_mode_measures_real_steps_and_picks_the_fastest": "timed steps",
+    "tests/test_tiled_loss.py::test_the_gradient_never_holds_the_whole_logits_on_xla_gpu":
+        "two XLA:GPU compiles where JAX's CUDA plugin is installed (5 s on a loaded machine)",
+    "tests/tools/test_autotune.py::test_a_target_compiles_every_candidate_with_xla_gpu_and_budgets_its_memory":
+        "XLA:GPU compiles of the searched candidates where JAX's CUDA plugin is installed (15 s on a loaded machine)",
     "tests/tools/test_planning.py::test_subprocess_plans_more_devices_than_this_process_has": "child process",
     "tests/test_optim.py::test_donated_state_in_callers_jit": "child process per case",
     # from --durations of the full suite (seconds on a machine loaded 5-10x: a third to a tenth idle)

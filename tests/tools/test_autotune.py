@@ -6,6 +6,8 @@ import optax
 import pytest
 
 import zerojax as zj
+from zerojax import _compat
+from zerojax.tools import _gpu
 from zerojax.tools.autotune import OFFLOADS, AutotuneError, parse_bytes
 from zerojax.tools._planning import StepPlan
 
@@ -157,7 +159,21 @@ def test_arguments_are_checked():
     assert parse_bytes("80GiB") == 80 * 2**30 and parse_bytes("1.5 GB") == 1_500_000_000
     with pytest.raises(zj.ConfigError, match="timed=True runs real steps on 16 devices"):
         zj.autotune(init_fn, loss_fn, batch_fn, devices=16, budget="1GiB", timed=True)
+    with pytest.raises(zj.ConfigError, match="timed=True runs real steps, and target='h100'"):
+        zj.autotune(init_fn, loss_fn, batch_fn, devices=8, budget="1GiB", timed=True, target="h100")
+    with pytest.raises(zj.ConfigError, match="h100"):
+        zj.autotune(init_fn, loss_fn, batch_fn, devices=8, budget="1GiB", target="tpu9")
     with pytest.raises(zj.ConfigError, match="memory .* is unknown"):
         zj.autotune(init_fn, loss_fn, batch_fn, devices=8)
     with pytest.raises(zj.ConfigError, match="offloads"):
         zj.autotune(init_fn, loss_fn, batch_fn, devices=8, budget="1GiB", offloads=("disk",))
+
+
+@pytest.mark.skipif(_compat.cuda_plugin() is None,
+                    reason=f"JAX's CUDA plugin is not installed: {_gpu.install_command()}")
+def test_a_target_compiles_every_candidate_with_xla_gpu_and_budgets_its_memory():
+    result = zj.autotune(init_fn, loss_fn, batch_fn, target="h100", **KW)
+    assert result.budget == _gpu.gpu_target("h100").memory_bytes
+    compiled = [r for r in result.table if r.compiled]
+    assert compiled and all(r.plan.target == "h100" and r.peak_bytes == r.plan.device_peak_bytes for r in compiled)
+    assert result.best.fits

@@ -10,6 +10,7 @@ from zerojax.config import ZeroConfig
 from zerojax._errors import AutotuneError, ConfigError
 from zerojax.tools.autotune._candidates import OFFLOADS
 from zerojax.tools.autotune._search import autotune
+from zerojax.tools._gpu import TARGETS
 from zerojax.tools._planning import gpt_sizes
 
 __all__ = ["main"]
@@ -36,13 +37,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--exhaustive", action="store_true", help="compile every candidate")
     p.add_argument("--timed", action="store_true", help="rank by real steps (needs the devices here)")
     p.add_argument("--json", action="store_true", help="also print the recommendation as DeepSpeed JSON")
+    p.add_argument("--target", default=None, choices=sorted(TARGETS),
+                   help="compile with XLA's GPU compiler for N compile-only GPUs of this kind (needs JAX's CUDA "
+                        "plugin); the budget defaults to its memory")
     args = p.parse_args(argv)
     try:
         result = autotune(model=args.model, devices=args.devices, budget=args.budget, host_budget=args.host_budget,
                           config=ZeroConfig(precision=args.precision, gradient_accumulation_steps=args.gas),
                           stages=[int(s) for s in args.stages.split(",")], offloads=args.offloads.split(","),
                           max_micro_batch=args.max_micro_batch, seq_len=args.seq_len, exhaustive=args.exhaustive,
-                          timed=args.timed, verbose=True)
+                          timed=args.timed, verbose=True, target=args.target)
     except AutotuneError as e:
         if e.result is not None:
             print(e.result)

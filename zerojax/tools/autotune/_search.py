@@ -23,6 +23,7 @@ from zerojax.tools.autotune._candidates import OFFLOADS, candidate_rows, check_c
 from zerojax.tools.autotune._cost import CostModel, step_flops
 from zerojax.tools.autotune._table import AutotuneResult, Row
 from zerojax.tools.autotune._units import parse_bytes, size_text
+from zerojax.tools._gpu import gpu_target
 from zerojax.tools._planning import Ref, gpt_sizes, named_gpt, plan_step, resolve
 
 __all__ = ["autotune"]
@@ -87,7 +88,8 @@ class _Search:
     """Compiles candidates with plan_step and fills their rows."""
 
     def __init__(self, init_fn, loss_fn, batch_fn, shapes, tx, devices, budget, host_budget, cost_model,
-                 has_aux, param_specs, timeout, verbose):
+                 has_aux, param_specs, timeout, verbose, target=None):
+        self.target = target
         self.init_fn, self.loss_fn, self.batch_fn, self.shapes, self.tx = init_fn, loss_fn, batch_fn, shapes, tx
         self.devices, self.budget, self.host_budget, self.cost = devices, budget, host_budget, cost_model
         self.has_aux, self.param_specs, self.timeout, self.verbose = has_aux, param_specs, timeout, verbose
@@ -109,7 +111,7 @@ class _Search:
         self.log(f"autotune: compiling stage {row.stage}, offload {row.offload}, micro-batch {row.micro_batch} "
                  f"x GAS {row.gradient_accumulation_steps} on {self.devices} devices ...")
         plan = plan_step(self.shapes, self.loss_fn, batch, devices=self.devices, config=row.config, tx=self.tx,
-                         param_specs=self.param_specs, has_aux=self.has_aux, timeout=self.timeout)
+                         param_specs=self.param_specs, has_aux=self.has_aux, timeout=self.timeout, target=self.target)
         self.compilations += 1
         row.plan, row.peak_bytes, row.host_bytes = plan, plan.device_peak_bytes, plan.stored_host_bytes
         over = []
@@ -194,6 +196,7 @@ def autotune(
     has_aux: bool = False,
     timeout: Optional[float] = None,
     verbose: bool = False,
+    target: Optional[str] = None,
 ) -> AutotuneResult:
     """Recommend the fastest stage, offload choice and micro-batch that fit ``budget`` per device.
 
@@ -211,6 +214,10 @@ def autotune(
     ``max_micro_batch``. ``timed=True`` ranks by real steps (``warmup`` then ``steps`` timed, the
     median kept), which needs ``devices`` devices in this process. See the module docstring for
     the search and :class:`CostModel` for the ranking without timing.
+
+    ``target="h100"`` (or ``"h200"``, ``"a100"``) compiles every candidate with XLA's GPU compiler
+    for ``devices`` compile-only GPUs of that kind (``zj.plan_step(..., target=...)``), so the
+    peaks compared with the budget are XLA:GPU's; ``budget`` then defaults to that GPU's memory.
 
     Raises :class:`AutotuneError` (a ConfigError) when nothing fits, naming the smallest peak.
 
@@ -233,7 +240,15 @@ def autotune(
     devices = len(jax.devices()) if devices is None else int(devices)
     if devices < 1:
         raise ConfigError(f"devices={devices!r} must be >= 1")
-    budget = _default_budget() if budget is None else parse_bytes(budget)
+    if target is not None:
+        target = gpu_target(target).name
+        if timed:
+            raise ConfigError(f"timed=True runs real steps, and target={target!r} compiles for compile-only GPUs: "
+                              "pass one or the other")
+    if budget is None:
+        budget = gpu_target(target).memory_bytes if target is not None else _default_budget()
+    else:
+        budget = parse_bytes(budget)
     host_budget = None if host_budget is None else parse_bytes(host_budget)
     if micro_batches is None:
         if max_micro_batch < 1:
@@ -250,7 +265,7 @@ def autotune(
     n_params = sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(shapes))
 
     search = _Search(init_fn, loss_fn, batch_fn, shapes, tx, devices, budget, host_budget,
-                     cost_model or CostModel(), has_aux, param_specs, timeout, verbose)
+                     cost_model or CostModel(), has_aux, param_specs, timeout, verbose, target)
     table = candidate_rows(config, devices, stages, offloads, micro_batches, train_batch_size)
     groups: Dict[Tuple[int, str], List[Row]] = {}
     for row in table:

@@ -36,6 +36,7 @@ cache, and the process's peak resident set in the phase.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import os
 import shutil
@@ -82,7 +83,8 @@ class Phases:
     charge now split as ``memory.stat`` does (anonymous rss, page cache, of which mapped and
     dirty), and the process's peak resident set since the last mark (VmHWM, reset likewise)."""
 
-    def __init__(self, group: str | None):
+    def __init__(self, group: str | None, verbose: bool = True):
+        self.verbose = verbose
         self.group = group if group and os.path.exists(os.path.join(group, "memory.max_usage_in_bytes")) else None
         self.peak = 0  # the group's peak over every phase so far (each mark resets the kernel's)
         self._reset()
@@ -101,8 +103,10 @@ class Phases:
             with open(os.path.join(self.group, "memory.max_usage_in_bytes"), "w") as f:
                 f.write("0")
 
-    def mark(self, phase: str) -> None:
+    def mark(self, phase: str) -> tuple:
+        """Prints the phase's line; returns (the process's peak RSS, the group's peak or None) in it."""
         g = 2**30
+        peak = None
         with open("/proc/self/status") as f:
             st = {k: int(v.split()[0]) * 1024 for k, v in (line.split(":", 1) for line in f) if k in ("VmHWM", "VmRSS")}
         line = f"[memory] {phase}: process peak RSS {st['VmHWM'] / g:.2f} GiB (now {st['VmRSS'] / g:.2f})"
@@ -116,8 +120,10 @@ class Phases:
             line += (f"; cgroup peak {peak / g:.2f} GiB, now "
                      f"{int(self._read('memory.usage_in_bytes')) / g:.2f} = rss {stat['rss'] / g:.2f} + cache "
                      f"{stat['cache'] / g:.2f} (mapped {stat['mapped_file'] / g:.2f}, dirty {stat['dirty'] / g:.2f})")
-        print(line, flush=True)
+        if self.verbose:
+            print(line, flush=True)
         self._reset()
+        return st["VmHWM"], peak
 
 
 def run_limited(args) -> int:
@@ -154,6 +160,72 @@ def run_limited(args) -> int:
             os.unlink(phase_peaks)
 
 
+def save(zj, ckpt: str, state, mark) -> dict:
+    """Saves ``state`` into ``ckpt`` (an NVMe run's save streams the store's committed slot and
+    returns once it is on disk); returns its step, size, seconds and the phase's peaks."""
+    from checkpoint import du
+
+    at = int(state.step)
+    t = time.perf_counter()
+    with zj.CheckpointManager(ckpt) as mngr:
+        mngr.save(at, state)
+    seconds = time.perf_counter() - t
+    rss, group = mark(f"the checkpoint of step {at} saved")
+    return dict(at=at, bytes=du(ckpt), seconds=seconds, rss=rss, group=group)
+
+
+def resume(args, zj, cfg, tx, config, loss_fn, batch, step, losses, saved, mark) -> None:
+    """A new run from the checkpoint: the straight run's step closed and its store deleted, a
+    target over a fresh ``nvme_path`` restored from the checkpoint (its store written from it),
+    a step made over it and the remaining steps trained; prints their losses next to the
+    straight run's."""
+    import jax
+
+    from checkpoint import drop_cache
+    from zerojax.models import gpt
+
+    nvme, ckpt = config.nvme_path, os.path.join(os.path.dirname(config.nvme_path), "ckpt")
+    step.close()
+    del step
+    shutil.rmtree(nvme)
+    gc.collect()
+    mark("the straight run closed, its store deleted")
+    fresh = os.path.join(os.path.dirname(nvme), "nvme-resumed")
+    os.makedirs(fresh)
+    config = dataclasses.replace(config, nvme_path=fresh)
+    drop_cache(ckpt)
+    t = time.perf_counter()
+    target = zj.abstract_train_state(zj.init_fn(lambda key: gpt.init_params(cfg, key)), tx, config=config)
+    with zj.CheckpointManager(ckpt) as mngr:
+        state, _ = mngr.restore(target)
+    seconds = time.perf_counter() - t
+    rss, group = mark(f"the checkpoint restored into a fresh store ({fresh})")
+    g = 2**30
+    peaks = lambda r, c: f"peak RSS {r / g:.2f} GiB" + ("" if c is None else f", group peak {c / g:.2f} GiB")
+    print(f"checkpoint of step {saved['at']}: {saved['bytes'] / 2**30:.3f} GiB on disk; save {saved['seconds']:.1f} s "
+          f"({peaks(saved['rss'], saved['group'])}); restore {seconds:.1f} s into a fresh nvme_path, "
+          f"cache dropped ({peaks(rss, group)})", flush=True)
+    step = zj.make_train_step(loss_fn, state)
+    state = state.replace(params=step.placeholders())
+    gc.collect()
+    mark("the step made over the restored store")
+    more = []
+    for _ in range(len(losses) - saved["at"]):
+        drop_cache(fresh)
+        t = time.perf_counter()
+        state, m = step(state, batch)
+        more.append(float(m["loss"]))
+        if args.limited:
+            print(f"resumed step {saved['at'] + len(more)}: loss {more[-1]:.4f}, {time.perf_counter() - t:.1f} s",
+                  flush=True)
+            mark(f"resumed step {saved['at'] + len(more)}")
+    step.close()
+    straight = losses[saved["at"]:]
+    print(f"losses after the resume (steps {saved['at'] + 1}-{len(losses)}): " + ", ".join(f"{x:.4f}" for x in more))
+    print(f"the straight run's steps {saved['at'] + 1}-{len(losses)}: " + ", ".join(f"{x:.4f}" for x in straight)
+          + ("  (equal)" if more == straight else "  (NOT equal)"), flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=8)
@@ -172,6 +244,9 @@ def main():
                          "and a parameter read-ahead of 4 layers, so the devices hold a few layers, not the model")
     ap.add_argument("--memory-limit", type=float, default=None,
                     help="GiB: run the training in a child process capped at this much memory (a cgroup; root)")
+    ap.add_argument("--checkpoint-at", type=int, default=None, metavar="K",
+                    help="save the state after step K (zj.CheckpointManager), then resume it as a new run would "
+                         "(a fresh nvme_path) and train the remaining steps: their losses against the straight run's")
     ap.add_argument("--limited", type=int, default=None, help=argparse.SUPPRESS)  # the child: its cap in bytes
     args = ap.parse_args()
     if args.memory_limit is not None:
@@ -180,6 +255,9 @@ def main():
         args.no_compare = True  # nothing else fits beside it
     if args.smoke:
         args.layers, args.d, args.vocab, args.seq, args.steps = 2, 64, 256, 16, 2
+        args.checkpoint_at = args.checkpoint_at or 1
+    if args.checkpoint_at is not None and not 1 <= args.checkpoint_at <= args.steps:
+        raise SystemExit(f"--checkpoint-at: between 1 and --steps ({args.steps}): the run has {args.steps + 1} steps")
 
     import jax
     import numpy as np
@@ -210,15 +288,15 @@ def main():
         read_ahead = dict(offload_param_buffer_count=4, offload_param_buffer_size=12 * d2)
     try:
         rss_base = RssSampler().rss()  # after the imports: jax and its runtime
-        phases = Phases(os.environ.get(CGROUP_ENV)) if args.limited else None
-        mark = phases.mark if phases else (lambda phase: None)
+        phases = Phases(os.environ.get(CGROUP_ENV), verbose=bool(args.limited))
+        mark = phases.mark
         mark("the imports")
         config = zj.ZeroConfig(**common, **read_ahead, offload_optimizer="nvme", offload_param="nvme", nvme_path=nvme,
                                sub_group_size=1 << 22)
         # an init function: the params are created in their sharded layout, never whole on one device
         state = zj.shard_train_state(zj.init_fn(lambda key: gpt.init_params(cfg, key)), tx, config=config,
                                      rng=jax.random.PRNGKey(0))
-        if phases:
+        if args.limited:
             jax.block_until_ready(state)  # the init runs asynchronously: its memory belongs to this phase
         mark("the params made on the devices")
         step = zj.make_train_step(loss_fn, state)
@@ -246,6 +324,8 @@ def main():
         losses = [float(m["loss"])]
         gc.collect()
         mark("the first step (compile included)")
+        ckpt = os.path.join(root, "ckpt")
+        saved = save(zj, ckpt, state, mark) if args.checkpoint_at == 1 else None
         times, compute, mem_losses = [], [], []
         with RssSampler(0.002) as rss:  # the NVMe run alone: nothing else of the model in memory
             for _ in range(args.steps):
@@ -257,9 +337,13 @@ def main():
                 if args.limited:
                     print(f"step {len(losses)}: loss {losses[-1]:.4f}, {times[-1]:.1f} s", flush=True)
                     mark(f"step {len(losses)}")
+                if len(losses) == args.checkpoint_at:
+                    saved = save(zj, ckpt, state, mark)
         grow = rss.peak - rss_base
         print("losses: " + ", ".join(f"{x:.4f}" for x in losses)
               + ("  (falling)" if losses[-1] < losses[0] else "  (NOT falling)"))
+        if saved and args.checkpoint_at > 1:
+            print(f"(the peak RSS below includes the save after step {args.checkpoint_at})")
         print(f"peak RSS during the steps {grow / 2**30:.2f} GiB above the process after its imports = "
               f"{grow / slot:.2f}x the state on disk, {grow / machine:.3f}x the machine [goal <= 0.5x the machine]; "
               f"of it the simulated devices' compiled peak x {state.plan.n}: {devices_bytes / 2**30:.2f} GiB, "
@@ -271,6 +355,8 @@ def main():
         if args.no_compare:
             print(f"per step: read {io_read / 1e9:.3f} GB, written {io_write / 1e9:.3f} GB -> {io:.2f} s at the "
                   f"disk's speed; step {float(np.median(times)):.2f} s")
+            if saved:
+                resume(args, zj, cfg, tx, config, loss_fn, batch, step, losses, saved, mark)
             return
         # compute: the same model and batch at stage 3 in memory, timed interleaved with the NVMe steps
         base = zj.shard_train_state(gpt.init_params(cfg, jax.random.PRNGKey(0)), tx, config=zj.ZeroConfig(**common))
@@ -298,6 +384,9 @@ def main():
         print(f"step {med:.2f} s = {med / (io + comp):.2f}x (bytes / bandwidth + compute)   [goal <= 1.5x]   "
               f"interleaved rounds: {', '.join(f'{x:.2f}' for x in times)} against "
               f"{', '.join(f'{x:.2f}' for x in compute)} in memory")
+        if saved:
+            del base, in_memory
+            resume(args, zj, cfg, tx, config, loss_fn, batch, step, losses, saved, mark)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

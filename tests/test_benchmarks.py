@@ -73,6 +73,10 @@ def test_bigger_than_memory_smoke_trains_and_prints_the_disk_figures():
     assert "(falling)" in out, out
     for figure in ("on disk", "disk: write", "per step: read", "x (bytes / bandwidth + compute)", "peak RSS during the steps"):
         assert figure in out, f"{figure!r} missing from:\n{out}"
+    # the smoke run saves after step 1, resumes on a fresh nvme_path and trains steps 2-3 again
+    for figure in ("checkpoint of step 1: ", "GiB on disk; save ", "restore ", "losses after the resume (steps 2-3): "):
+        assert figure in out, f"{figure!r} missing from:\n{out}"
+    assert "the straight run's steps 2-3: " in out and "(equal)" in out, out
 
 
 def test_gpu_plan_smoke_compiles_every_row_for_h100s():

@@ -6,6 +6,8 @@ steps cost next to the bytes they move through the disk.
     python benchmarks/bigger_than_memory.py --smoke               # tiny, seconds: the script runs
     sudo python benchmarks/bigger_than_memory.py --layers 24 --d 1024 --seq 32 --batch 4 --steps 19 \
         --devices 4 --buckets auto --memory-limit 2.6             # the job capped at 2.6 GiB (cgroup)
+    sudo python benchmarks/bigger_than_memory.py --layers 24 --d 1024 --seq 32 --batch 4 --steps 5 \
+        --devices 4 --buckets auto --memory-limit 2.6 --checkpoint-at 3   # saved and resumed (the save overruns it: docs)
 
 Stage 3 (``max_reuse_distance: 0``), bf16, AdamW, ``offload_param`` and ``offload_optimizer`` both ``"nvme"`` on 8 simulated
 devices: the 16-bit params, fp32 master and both moments (14 bytes a param, in two slots) live in
@@ -32,6 +34,15 @@ the loss of every step, and the largest memory the group was charged; and, phase
 imports, the params made, the step made with its store written, the first step, each step), the
 group's peak charge in the phase (cgroup v1), its charge after it as anonymous memory and page
 cache, and the process's peak resident set in the phase.
+
+``--checkpoint-at K`` saves the state after step K (``zj.CheckpointManager``: an NVMe run's save
+streams the store's committed slot and returns once it is on disk); after the straight run, its
+step is closed and its store deleted, and a new run resumes from the checkpoint as a job would:
+``zj.abstract_train_state`` over a fresh ``nvme_path``, ``mngr.restore`` (which writes the store),
+``zj.make_train_step``, the remaining steps. Printed: the checkpoint's size on disk, the save and
+restore seconds with the peaks in each (the group's under ``--memory-limit``, in the same child and
+cgroup), and the resumed steps' losses next to the straight run's (they must be equal). ``--smoke``
+saves after step 1.
 """
 from __future__ import annotations
 

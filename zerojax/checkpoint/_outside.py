@@ -133,6 +133,17 @@ def _restored_shadow(tx, opt, values: list):
 
 
 # ----------------------------------------------------------------------------------- saving
+class StoreView(np.ndarray):
+    """A leaf of the store's committed slot, memory-mapped, that the checkpoint writes from where
+    it lies. Orbax copies every numpy leaf it is given before writing it (``copy.deepcopy``), which
+    would hold the whole master and moments in memory at once; a copy of this view is the view.
+    That is safe because a save of such a state waits for its write, and no step rewrites the
+    committed slot before the step after next."""
+
+    def __deepcopy__(self, memo):
+        return self
+
+
 def _leaf_view(plan: ZeroPlan, layout, disk, flat: np.ndarray, i: int) -> np.ndarray:
     """Leaf ``i`` of a store region in its logical shape: a view, nothing read."""
     lay = plan.leaves[i]
@@ -140,7 +151,7 @@ def _leaf_view(plan: ZeroPlan, layout, disk, flat: np.ndarray, i: int) -> np.nda
     x = flat[off:off + math.prod(shape)].reshape(shape)
     if disk is not None and lay.params_partitioned:
         x = np.moveaxis(x, 0, lay.axis)[tuple(slice(0, d) for d in lay.shape)]
-    return x
+    return x.view(StoreView)
 
 
 def _checksum(x: np.ndarray) -> int:

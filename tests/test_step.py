@@ -218,9 +218,9 @@ def test_init_fn_in_groups_equals_one_program(stage, monkeypatch):
     config = zj.ZeroConfig(stage=stage, precision="bf16", param_persistence_threshold=0)
     one = zj.shard_train_state(init_params, optax.adamw(1e-3), config=config, rng=key)
     runs = []
-    real = _init_groups._groups
+    real = _init_groups.buckets
     monkeypatch.setattr(_init_groups, "GROUP_BYTES", 256)
-    monkeypatch.setattr(_init_groups, "_groups", lambda n, limit: runs.append(real(n, limit)) or runs[-1])
+    monkeypatch.setattr(_init_groups, "buckets", lambda n, limit: runs.append(real(n, limit)) or runs[-1])
     grouped = zj.shard_train_state(init_params, optax.adamw(1e-3), config=config, rng=key)
     assert len(runs) == 1 and len(runs[0]) > 1
     for a, b in zip(jax.tree_util.tree_leaves(one), jax.tree_util.tree_leaves(grouped)):

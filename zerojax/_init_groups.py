@@ -18,6 +18,8 @@ import math
 import jax
 import numpy as np
 
+from zerojax.stages._collectives import buckets
+
 __all__ = ["GROUP_BYTES", "init_in_groups"]
 
 GROUP_BYTES = 64 << 20  # output bytes (all devices) one init program computes at most
@@ -31,18 +33,6 @@ def _dce():
         return pe.dce_jaxpr, pe.convert_constvars_jaxpr, eval_jaxpr
     except (ImportError, AttributeError):  # pragma: no cover - a JAX without them: one program
         return None
-
-
-def _groups(nbytes, limit: int):
-    """Consecutive leaves, at most ``limit`` bytes a group (a bigger leaf alone)."""
-    out, cur, size = [], [], 0
-    for i, b in enumerate(nbytes):
-        if cur and size + b > limit:
-            out.append(cur)
-            cur, size = [], 0
-        cur.append(i)
-        size += b
-    return out + ([cur] if cur else [])
 
 
 def init_in_groups(fn, out_shardings, *args, group_bytes: int | None = None):
@@ -65,7 +55,7 @@ def init_in_groups(fn, out_shardings, *args, group_bytes: int | None = None):
     jaxpr = convert(closed.jaxpr)  # the constants become leading inputs
     inputs = list(closed.consts) + jax.tree_util.tree_leaves(args)
     out = [None] * len(leaves)
-    groups = _groups(nbytes, group_bytes)
+    groups = buckets(nbytes, group_bytes)
     for group in groups:
         used = [i in group for i in range(len(leaves))]
         part, used_in = dce_jaxpr(jaxpr, used, instantiate=True)

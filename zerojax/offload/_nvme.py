@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import errno as _errno
 import json
+import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
@@ -143,6 +144,11 @@ def committed_regions(path: str, marker: dict) -> dict:
     pdt = None if marker.get("params_dtype") is None else np.dtype(marker["params_dtype"])
     size = (12 + (0 if pdt is None else pdt.itemsize)) * n
     mm = np.memmap(os.path.join(path, f"slot{marker['slot']}.bin"), np.uint8, "r", shape=(size,))
+    # read once, front to back: the kernel may reclaim each page as soon as it has been read,
+    # ahead of other memory, so streaming a state larger than the job's memory stays within it
+    advise = getattr(getattr(mm, "_mmap", None), "madvise", None)
+    if advise is not None and hasattr(mmap, "MADV_SEQUENTIAL"):
+        advise(mmap.MADV_SEQUENTIAL)
     return _regions(mm, n, pdt)
 
 

@@ -7,7 +7,7 @@ steps cost next to the bytes they move through the disk.
     sudo python benchmarks/bigger_than_memory.py --layers 24 --d 1024 --seq 32 --batch 4 --steps 19 \
         --devices 4 --buckets auto --memory-limit 2.6             # the job capped at 2.6 GiB (cgroup)
     sudo python benchmarks/bigger_than_memory.py --layers 24 --d 1024 --seq 32 --batch 4 --steps 5 \
-        --devices 4 --buckets auto --memory-limit 2.6 --checkpoint-at 3   # saved and resumed (the save overruns it: docs)
+        --devices 4 --buckets auto --memory-limit 2.6 --checkpoint-at 3   # saved and resumed under the cap
 
 Stage 3 (``max_reuse_distance: 0``), bf16, AdamW, ``offload_param`` and ``offload_optimizer`` both ``"nvme"`` on 8 simulated
 devices: the 16-bit params, fp32 master and both moments (14 bytes a param, in two slots) live in

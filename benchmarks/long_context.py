@@ -91,13 +91,11 @@ def measure(cfg, n, lean, seq, chunk, target=None):
     cfg = gpt.GPTConfig(**{**cfg.__dict__, "seq_len": seq})
     state, step, mesh, made = build(cfg, n, lean, chunk)
     if target:  # lowered over the CPU mesh for CUDA, compiled by XLA:GPU (as zj.plan_step does)
-        from zerojax._compat import compile_lowered_for
         from zerojax.stages._device_step import compiler_options
-        from zerojax.tools._gpu import target_devices
+        from zerojax.tools._gpu import compile_for_target
 
-        lowered = step.trace(state, abstract_batch(mesh, seq)).lower(lowering_platforms=("cuda",))
-        gpus = np.array(target_devices(target, mesh.devices.size)).reshape(mesh.devices.shape)
-        compiled = compile_lowered_for(lowered, list(gpus.flat), compiler_options(state.plan, "gpu"))
+        compiled = compile_for_target(step.trace(state, abstract_batch(mesh, seq)), mesh, target,
+                                      compiler_options(state.plan, "gpu"))
     else:
         compiled = step.lower(state, abstract_batch(mesh, seq)).compile()
     mem = compiled.memory_analysis()

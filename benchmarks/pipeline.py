@@ -83,14 +83,11 @@ def contenders(cfg, micro):
 
 def gpu_peak(step, state, batch, target):
     """The peak XLA:GPU plans for ``step`` on compile-only GPUs of ``target`` (as zj.plan_step compiles)."""
-    from zerojax._compat import compile_lowered_for
     from zerojax.stages._device_step import compiler_options
-    from zerojax.tools._gpu import target_devices
+    from zerojax.tools._gpu import compile_for_target
 
-    mesh = state.plan.mesh
-    lowered = step.trace(state, batch).lower(lowering_platforms=("cuda",))
-    gpus = np.array(target_devices(target, mesh.devices.size)).reshape(mesh.devices.shape)
-    m = compile_lowered_for(lowered, list(gpus.flat), compiler_options(state.plan, "gpu")).memory_analysis()
+    m = compile_for_target(step.trace(state, batch), state.plan.mesh, target,
+                           compiler_options(state.plan, "gpu")).memory_analysis()
     return m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
 
 

@@ -24,7 +24,7 @@ from typing import Dict, Optional
 
 import jax
 
-from zerojax._compat import cuda_plugin, gpu_topology
+from zerojax._compat import compile_lowered_for, cuda_plugin, gpu_topology
 from zerojax._errors import ConfigError, ZeroJaxError
 
 GPUS_PER_HOST = 8  # an HGX/DGX node: the topology puts N GPUs on N / 8 hosts
@@ -144,5 +144,17 @@ def target_devices(target, gpus: int):
     return devices
 
 
-__all__ = ["GpuTarget", "TARGETS", "can_compile_here", "gpu_target", "install_command", "missing_plugin", "target_devices",
-           "topology_name"]
+def compile_for_target(traced, mesh, target, options=None):
+    """XLA:GPU's program of ``traced`` (a ``jax.stages.Traced`` of a step over ``mesh``, a mesh of
+    this process's CPU devices) for as many compile-only GPUs of ``target``, laid out as the mesh:
+    lowered for CUDA over the CPU mesh, so that its memory kinds hold, then compiled for the GPUs.
+    ``options``: XLA options by name (the step's ``compiler_options(plan, "gpu")``)."""
+    import numpy as np
+
+    lowered = traced.lower(lowering_platforms=("cuda",))
+    gpus = np.array(target_devices(target, mesh.devices.size)).reshape(mesh.devices.shape)
+    return compile_lowered_for(lowered, list(gpus.flat), options)
+
+
+__all__ = ["GpuTarget", "TARGETS", "can_compile_here", "compile_for_target", "gpu_target", "install_command",
+           "missing_plugin", "target_devices", "topology_name"]

@@ -51,7 +51,7 @@ from zerojax.runtime._launch import with_device_count
 from zerojax.stages._zeropp import node_size
 from zerojax._state import abstract_train_state
 from zerojax._step import make_train_step
-from zerojax._compat import compile_lowered_for, cost_analysis, cuda_plugin
+from zerojax._compat import cost_analysis, cuda_plugin
 from zerojax.tools._compiled import (
     CommReport,
     PeakMemory,
@@ -62,7 +62,7 @@ from zerojax.tools._compiled import (
     theory_elements,
 )
 from zerojax.stages._device_step import compiler_options
-from zerojax.tools._gpu import GPUS_PER_HOST, can_compile_here, gpu_target, missing_plugin, target_devices
+from zerojax.tools._gpu import GPUS_PER_HOST, can_compile_here, compile_for_target, gpu_target, missing_plugin
 from zerojax.tools._estimate import estimate
 
 _STDERR_TAIL = 4000
@@ -378,10 +378,8 @@ def _plan_here(init_fn, loss_fn, batch_spec, axes: Dict[str, int], config: ZeroC
         step = make_train_step(loss_fn, state, has_aux=has_aux)
         traced, options = step.trace(state, batch), compiler_options(state.plan, "gpu")
     if target:
-        lowered = traced.lower(lowering_platforms=("cuda",))
-        gpus = np.array(target_devices(target, mesh.devices.size)).reshape(mesh.devices.shape)
         t1 = time.perf_counter()
-        compiled = compile_lowered_for(lowered, list(gpus.flat), options)
+        compiled = compile_for_target(traced, mesh, target, options)
     else:
         lowered = traced.lower()
         t1 = time.perf_counter()

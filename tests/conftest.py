@@ -54,6 +54,14 @@ if os.environ.get("ZEROJAX_TEST_JIT_CACHE", "1") != "0" and "JAX_COMPILATION_CAC
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _OWN_CACHE
     # every program is worth keeping: the suite's programs are small and compile in well under a second
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+# XLA:GPU's kernel cache (zerojax.tools._gpu.kernel_cache_file): most of an XLA:GPU compile of a
+# small step is building its kernels, which the suite's steps for the same GPU share. One directory
+# per process of the run (a pytest-xdist worker writes only its own) in the run's cache directory;
+# the benchmark children a worker starts, and waits on, use the worker's.
+_RUN_CACHE = os.environ.get("JAX_COMPILATION_CACHE_DIR")
+if _RUN_CACHE and os.environ.get("ZEROJAX_GPU_KERNEL_CACHE", _RUN_CACHE).startswith(_RUN_CACHE):
+    os.environ["ZEROJAX_GPU_KERNEL_CACHE"] = os.path.join(
+        _RUN_CACHE, "gpu-kernels-" + os.environ.get("PYTEST_XDIST_WORKER", "main"))
 
 
 def pytest_configure(config):

@@ -38,8 +38,9 @@ from jax.sharding import PartitionSpec as P
 
 import zerojax as zj
 from tests.helpers import batches, init_params, loss_fn
-from zerojax._compat import compile_lowered_for, cuda_plugin, pallas_gpu_backend, shard_map
+from zerojax._compat import cuda_plugin, pallas_gpu_backend, shard_map
 from zerojax.tools._compiled import overlap, program_custom_calls
+from zerojax.tools._gpu import compile_for_devices
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "collective_permute")
 _COLLECTIVE = re.compile(r"stablehlo\.(" + "|".join(COLLECTIVES) + r")\b")
@@ -105,7 +106,7 @@ def h100s():
 
 
 def gpu_program_problems(compiled, *, host_memory: bool = False, gpu_kernel: bool = False) -> list:
-    """What XLA:GPU's program (``compile_lowered_for``'s, or a ``jax.stages.Compiled``) lacks."""
+    """What XLA:GPU's program (``compile_for_devices``'s, or a ``jax.stages.Compiled``) lacks."""
     problems = []
     text = compiled.as_text()
     host_bytes = getattr(compiled.memory_analysis(), "host_argument_size_in_bytes", 0)
@@ -137,7 +138,7 @@ def xla_makes_idle_collectives_synchronous() -> bool:
     mesh = zj.make_mesh()
     psum = jax.jit(shard_map(lambda v: jax.lax.psum(v, "data"), mesh, in_specs=P("data"), out_specs=P()))
     lowered = psum.trace(jnp.zeros(8, jnp.float32)).lower(lowering_platforms=("cuda",))
-    return bool(overlap(compile_lowered_for(lowered, h100s()).as_text()).synchronous)
+    return bool(overlap(compile_for_devices(lowered, h100s()).as_text()).synchronous)
 
 
 def compiled_problems(lowered, **expect) -> list:
@@ -146,7 +147,7 @@ def compiled_problems(lowered, **expect) -> list:
     if cuda_plugin() is None:
         return []
     try:
-        compiled = compile_lowered_for(lowered, h100s())
+        compiled = compile_for_devices(lowered, h100s())
     except Exception as e:  # noqa: BLE001 - any refusal is the finding
         return [f"XLA:GPU does not compile it for 8 H100s: {type(e).__name__}: {str(e)[:400]}"]
     return gpu_program_problems(compiled, **expect)

@@ -101,7 +101,7 @@ def test_the_gradient_never_holds_the_whole_logits_on_xla_gpu():
 
     def temp_bytes(fn):
         lowered = jax.jit(jax.grad(fn, argnums=(0, 1))).trace(*shapes).lower(lowering_platforms=("cuda",))
-        return _compat.compile_lowered_for(lowered, gpu).memory_analysis().temp_size_in_bytes
+        return _gpu.compile_for_devices(lowered, gpu).memory_analysis().temp_size_in_bytes
 
     logits_bytes = b * s * v * 4
     full = temp_bytes(plain)

@@ -107,6 +107,29 @@ def test_a_newer_target_file_builds_devices_through_the_bridge():
 
 
 @needs_plugin
+def test_compiles_for_one_gpu_kind_share_xlas_kernel_cache(monkeypatch, tmp_path):
+    """Every compile for compile-only GPUs goes through one kernel cache file per GPU kind: the
+    first compile builds the kernels into it, a second compile of the same program finds them all
+    there (the file does not grow) and gives the same program; "0" turns the cache off."""
+    f = jax.jit(lambda x, w: jnp.tanh(x @ w).sum(axis=0) * 2.0 + jnp.exp(w).mean())
+    lowered = f.trace(jax.ShapeDtypeStruct((64, 32), jnp.float32),
+                      jax.ShapeDtypeStruct((32, 32), jnp.float32)).lower(lowering_platforms=("cuda",))
+    h100 = _gpu.target_devices("h100", 1)
+    monkeypatch.setenv(_gpu.KERNEL_CACHE_ENV, str(tmp_path / "kernels"))
+    path = _gpu.kernel_cache_file(h100[0])
+    assert path != _gpu.kernel_cache_file(_gpu.target_devices("a100", 1)[0])  # a kernel is built for one GPU
+    first = _gpu.compile_for_devices(lowered, h100)
+    size = (tmp_path / "kernels" / path.rsplit("/", 1)[1]).stat().st_size
+    assert size > 0
+    second = _gpu.compile_for_devices(lowered, h100)
+    assert (tmp_path / "kernels" / path.rsplit("/", 1)[1]).stat().st_size == size
+    assert second.as_text() == first.as_text()
+    monkeypatch.setenv(_gpu.KERNEL_CACHE_ENV, "0")
+    assert _gpu.kernel_cache_file(h100[0]) is None
+    assert _gpu.compile_for_devices(lowered, h100).as_text() == first.as_text()
+
+
+@needs_plugin
 @pytest.mark.slow  # two GPT steps through XLA:GPU
 def test_stage3_compiles_for_h100_below_stage0_and_fits():
     s0, s3 = _plan(0), _plan(3, param_persistence_threshold=0)

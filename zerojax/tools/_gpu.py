@@ -24,7 +24,7 @@ from typing import Dict, Optional
 
 import jax
 
-from zerojax._compat import compile_lowered_for, cuda_plugin, gpu_topology
+from zerojax._compat import compile_lowered_for, cuda_plugin, gpu_topology, known_compile_options
 from zerojax._errors import ConfigError, ZeroJaxError
 
 GPUS_PER_HOST = 8  # an HGX/DGX node: the topology puts N GPUs on N / 8 hosts
@@ -144,6 +144,47 @@ def target_devices(target, gpus: int):
     return devices
 
 
+# XLA:GPU keeps the kernels it builds (LLVM's PTX and ptxas's cubin: most of a small step's compile,
+# ptxas alone runs once per kernel) in a file it reads before each compile and adds to after
+# (``xla_gpu_kernel_cache_file``). The programs a plan, an autotune search or a benchmark compiles
+# for one GPU share most of their kernels (a stage-0 step after a stage-3 one of the same GPT: 3 s
+# of compiling instead of 17 here), so every compile for compile-only GPUs goes through one such
+# file per GPU kind: in a directory of this process's own, removed at its exit, or in
+# ZEROJAX_GPU_KERNEL_CACHE (a directory kept; one process at a time writes it); "0" turns it off.
+KERNEL_CACHE_ENV = "ZEROJAX_GPU_KERNEL_CACHE"
+_OWN_KERNEL_CACHE = []
+
+
+def kernel_cache_file(device) -> Optional[str]:
+    """The kernel cache file for compiles for ``device``'s kind (see above), or None where off."""
+    directory = os.environ.get(KERNEL_CACHE_ENV, "")
+    if directory == "0":
+        return None
+    if not directory:
+        if not _OWN_KERNEL_CACHE:
+            import atexit
+            import shutil
+            import tempfile
+
+            _OWN_KERNEL_CACHE.append(tempfile.mkdtemp(prefix="zerojax-gpu-kernels-"))
+            atexit.register(shutil.rmtree, _OWN_KERNEL_CACHE[0], ignore_errors=True)
+        directory = _OWN_KERNEL_CACHE[0]
+    os.makedirs(directory, exist_ok=True)
+    # kernels are looked up by the fused computation, not by the GPU they were built for
+    kind = re.sub(r"[^A-Za-z0-9]+", "-", f"{device.device_kind}-{getattr(device, 'compute_capability', '')}").strip("-")
+    return os.path.join(directory, f"{kind}.kernels")
+
+
+def compile_for_devices(lowered, devices, options=None):
+    """:func:`zerojax._compat.compile_lowered_for` (``lowered`` compiled for ``devices``,
+    compile-only GPUs) with the kernel cache of their kind."""
+    path = kernel_cache_file(devices[0])
+    options = dict(options or {})
+    if path is not None and "xla_gpu_kernel_cache_file" not in options:
+        options.update(known_compile_options({"xla_gpu_kernel_cache_file": path}))
+    return compile_lowered_for(lowered, devices, options)
+
+
 def compile_for_target(traced, mesh, target, options=None):
     """XLA:GPU's program of ``traced`` (a ``jax.stages.Traced`` of a step over ``mesh``, a mesh of
     this process's CPU devices) for as many compile-only GPUs of ``target``, laid out as the mesh:
@@ -153,8 +194,8 @@ def compile_for_target(traced, mesh, target, options=None):
 
     lowered = traced.lower(lowering_platforms=("cuda",))
     gpus = np.array(target_devices(target, mesh.devices.size)).reshape(mesh.devices.shape)
-    return compile_lowered_for(lowered, list(gpus.flat), options)
+    return compile_for_devices(lowered, list(gpus.flat), options)
 
 
-__all__ = ["GpuTarget", "TARGETS", "can_compile_here", "compile_for_target", "gpu_target", "install_command",
-           "missing_plugin", "target_devices", "topology_name"]
+__all__ = ["GpuTarget", "KERNEL_CACHE_ENV", "TARGETS", "can_compile_here", "compile_for_devices", "compile_for_target",
+           "gpu_target", "install_command", "kernel_cache_file", "missing_plugin", "target_devices", "topology_name"]

@@ -35,19 +35,7 @@ _SUITE_FLAGS = _FAST_COMPILE if os.environ.get("ZEROJAX_TEST_FAST_COMPILE", "1")
 _SUITE_FLAGS = _SUITE_FLAGS + [f"--{f}=300" for f in ("xla_cpu_collective_call_terminate_timeout_seconds",
                                                       "xla_cpu_collective_timeout_seconds")]
 
-# XLA aborts the process on a flag it does not know, and flags come and go between releases
-# (jax 0.12's XLA has no --xla_cpu_use_fusion_emitters): only those this XLA knows are set. The
-# run's first process tries them once (zerojax._compat.known_xla_flags) and leaves the known ones
-# in ZEROJAX_TEST_XLA_FLAGS, where pytest-xdist's workers and the suite's children find them.
-if "ZEROJAX_TEST_XLA_FLAGS" not in os.environ:
-    from zerojax._compat import known_xla_flags
-
-    os.environ["ZEROJAX_TEST_XLA_FLAGS"] = " ".join(known_xla_flags(dict.fromkeys(_FAST_COMPILE + _SUITE_FLAGS)))
-    _known = os.environ["ZEROJAX_TEST_XLA_FLAGS"].split()
-    for _flag in _SUITE_FLAGS:
-        if _flag in _known and _flag.split("=", 1)[0].lstrip("-") not in os.environ["XLA_FLAGS"]:
-            os.environ["XLA_FLAGS"] += " " + _flag
-
+# (set before anything imports jax, which reads them once)
 _OWN_CACHE = None
 if os.environ.get("ZEROJAX_TEST_JIT_CACHE", "1") != "0" and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _OWN_CACHE = tempfile.mkdtemp(prefix="zerojax-test-jit-cache-")
@@ -62,6 +50,20 @@ _RUN_CACHE = os.environ.get("JAX_COMPILATION_CACHE_DIR")
 if _RUN_CACHE and os.environ.get("ZEROJAX_GPU_KERNEL_CACHE", _RUN_CACHE).startswith(_RUN_CACHE):
     os.environ["ZEROJAX_GPU_KERNEL_CACHE"] = os.path.join(
         _RUN_CACHE, "gpu-kernels-" + os.environ.get("PYTEST_XDIST_WORKER", "main"))
+
+
+# XLA aborts the process on a flag it does not know, and flags come and go between releases
+# (jax 0.12's XLA has no --xla_cpu_use_fusion_emitters): only those this XLA knows are set. The
+# run's first process tries them once (zerojax._compat.known_xla_flags) and leaves the known ones
+# in ZEROJAX_TEST_XLA_FLAGS, where pytest-xdist's workers and the suite's children find them.
+if "ZEROJAX_TEST_XLA_FLAGS" not in os.environ:
+    from zerojax._compat import known_xla_flags
+
+    os.environ["ZEROJAX_TEST_XLA_FLAGS"] = " ".join(known_xla_flags(dict.fromkeys(_FAST_COMPILE + _SUITE_FLAGS)))
+    _known = os.environ["ZEROJAX_TEST_XLA_FLAGS"].split()
+    for _flag in _SUITE_FLAGS:
+        if _flag in _known and _flag.split("=", 1)[0].lstrip("-") not in os.environ["XLA_FLAGS"]:
+            os.environ["XLA_FLAGS"] += " " + _flag
 
 
 def pytest_configure(config):

@@ -51,9 +51,12 @@ def _hf(kind: str, **kw):
 
 @functools.cache
 def hf_model(kind: str):
-    """(model, host params) of a tiny Hugging Face Flax causal LM, randomly initialised."""
-    model = _hf(kind)
-    return model, jax.tree_util.tree_map(np.asarray, model.params)
+    """(model, host params) of a tiny Hugging Face Flax causal LM, randomly initialised by Hugging
+    Face's own init_weights in one jitted program (run op by op, as ``_do_init=True`` does, it
+    compiled some hundred small programs)."""
+    model = _hf(kind, _do_init=False)
+    params = jax.jit(model.init_weights, static_argnums=1)(model.key, model.input_shape)
+    return model, jax.tree_util.tree_map(np.asarray, params)
 
 
 def hf_shapes(kind: str):
@@ -81,6 +84,32 @@ def reference(loss_fn, params, data):
     for b in data:
         params, opt = step(params, opt, b)
     return params
+
+
+@functools.cache
+def hf_reference(kind: str):
+    """The plain-optax params after training ``hf_model(kind)`` on the training tests' batches: one
+    reference per model, shared by its three stages (each test compares its own zerojax run to it)."""
+    model, params = hf_model(kind)
+    return jax.device_get(reference(lm_loss(model), params, token_batches(STEPS, 8)))
+
+
+HF_ZERO = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0, "optimizer": OPTIMIZER,
+           "tensor_parallel": {"autotp_size": 2}}
+
+
+@functools.cache
+def hf_trained(kind: str, stage: int):
+    """(state, step) of ``hf_model(kind)`` trained through zj.initialize at autotp_size 2 and
+    ``stage`` on the training tests' batches. The stage-2 Llama run is also the TP 2 x DP 4 state
+    the checkpoint test saves (it only reads it)."""
+    model, params = hf_model(kind)
+    zero = {"stage": stage, **({"stage3_param_persistence_threshold": 0} if stage == 3 else {})}
+    state, step = zj.initialize(params, lm_loss(model), {**HF_ZERO, "zero_optimization": zero})
+    with step:
+        for b in token_batches(STEPS, 8):
+            state, _ = step(state, b)
+    return state, step
 
 
 def _update(tx, loss_fn, p, s, b):
@@ -228,17 +257,10 @@ def test_deepspeed_keys_mesh_and_batch_arithmetic():
                                         ("gpt2", 3)])
 def test_hugging_face_models_train_like_plain_optax(kind, stage):
     model, params = hf_model(kind)
-    loss_fn = lm_loss(model)
-    zero = {"stage": stage, **({"stage3_param_persistence_threshold": 0} if stage == 3 else {})}
-    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0, "optimizer": OPTIMIZER,
-           "tensor_parallel": {"autotp_size": 2}, "zero_optimization": zero}
-    state, step = zj.initialize(params, loss_fn, cfg)
+    state, step = hf_trained(kind, stage)
     assert dict(state.plan.mesh.shape) == {"data": 4, "model": 2} and step.train_batch_size == 8
-    data = token_batches(STEPS, 8)
-    with step:
-        for b in data:
-            state, _ = step(state, b)
-    want = reference(loss_fn, params, data)
+    assert int(state.step) == STEPS
+    want = hf_reference(kind)
     got = state.full_params(jnp.float32)
     for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree_util.tree_leaves(want)):
         x, y, name = np.asarray(x), np.asarray(y), jax.tree_util.keystr(path)
@@ -381,16 +403,11 @@ def test_public_autotp_configs_train(name, kind, size):
 
 @pytest.mark.slow
 def test_checkpoint_saved_at_tp2_dp4_restores_at_dp8(tmp_path):
-    model, params = hf_model("llama")
-    loss_fn = lm_loss(model)
-    cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 0, "optimizer": OPTIMIZER,
-           "zero_optimization": {"stage": 2}}
-    state, step = zj.initialize(params, loss_fn, {**cfg, "tensor_parallel": {"autotp_size": 2}})
-    with step:
-        for b in token_batches(2, 4):
-            state, _ = step(state, b)
+    _, params = hf_model("llama")
+    state, _ = hf_trained("llama", 2)  # TP 2 x DP 4 at stage 2, trained three steps
+    assert dict(state.plan.mesh.shape) == {"data": 4, "model": 2} and int(state.step) == STEPS
     with zj.CheckpointManager(tmp_path) as mngr:
-        mngr.save(2, state)
+        mngr.save(STEPS, state)
     tx = state.tx
     target = zj.abstract_train_state(params, tx, mesh=zj.make_mesh(),
                                      config=zj.ZeroConfig(stage=3, param_persistence_threshold=0))

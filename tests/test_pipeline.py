@@ -1,4 +1,5 @@
 """PipelineModel over a "pipe" mesh axis against plain optax on ``pipe.loss`` (tiny GPT, fp32)."""
+import functools
 import warnings
 
 import jax
@@ -23,8 +24,14 @@ def batches(n, size, seed=0):
     return [{"tokens": rng.integers(0, CFG.vocab, (size, CFG.seq_len + 1)).astype(np.int32)} for _ in range(n)]
 
 
-def reference(pipe, tx, data, clip=0.0):
-    """Plain optax on pipe.loss, one device; DeepSpeed's clipping written out."""
+@functools.cache
+def reference(interval, steps, size, clip=0.0):
+    """Plain optax (AdamW 1e-3, every test's optimizer) on ``pipe.loss`` over ``batches(steps,
+    size)``, one device; DeepSpeed's clipping written out. ``pipe.loss`` runs the blocks plainly (a
+    lax.scan, remat every ``interval`` layers) whatever the schedule, so the tests that train on
+    the same batches share one reference (host arrays); each compares its own pipeline run to it."""
+    pipe, tx = gpt_pipeline(CFG, activation_checkpoint_interval=interval), optax.adamw(1e-3)
+
     @jax.jit
     def step(p, s, b):
         loss, g = jax.value_and_grad(pipe.loss)(p, b)
@@ -35,11 +42,11 @@ def reference(pipe, tx, data, clip=0.0):
         return optax.apply_updates(p, u), s, loss, norm
 
     p, s, losses, norms = PARAMS, tx.init(PARAMS), [], []
-    for b in data:
+    for b in batches(steps, size):
         p, s, loss, norm = step(p, s, b)
         losses.append(float(loss))
         norms.append(float(norm))
-    return p, losses, norms
+    return jax.device_get(p), losses, norms
 
 
 def run(pipe, tx, data, shape, **config):
@@ -101,7 +108,7 @@ def test_check_catches_a_broken_schedule():
 def test_gpt_pipeline_equals_plain_optax(shape, stage, micro):
     pipe, tx = gpt_pipeline(CFG), optax.adamw(1e-3)
     data = batches(3, shape[1] * micro * 2)
-    ref, losses, norms = reference(pipe, tx, data)
+    ref, losses, norms = reference(0, 3, shape[1] * micro * 2)
     state, hist = run(pipe, tx, data, shape, stage=stage, gradient_accumulation_steps=micro)
     np.testing.assert_allclose([h["loss"] for h in hist], losses, atol=1e-5, rtol=0)
     np.testing.assert_allclose([h["grad_norm"] for h in hist], norms, rtol=1e-5)
@@ -125,7 +132,7 @@ def test_gpt_pipeline_equals_plain_optax(shape, stage, micro):
 def test_stage3_clipping_other_schedules_and_activation_checkpoints_equal_plain_optax(schedule):
     pipe, tx = gpt_pipeline(CFG, schedule=schedule, activation_checkpoint_interval=1), optax.adamw(1e-3)
     data = batches(2, 4 * 4 * 2)
-    ref, losses, norms = reference(pipe, tx, data, clip=0.5)
+    ref, losses, norms = reference(1, 2, 4 * 4 * 2, clip=0.5)
     assert min(norms) > 0.5  # the clipping acts
     state, hist = run(pipe, tx, data, (2, 4), stage=3, gradient_accumulation_steps=4, gradient_clipping=0.5,
                       param_persistence_threshold=0)
@@ -162,7 +169,7 @@ def test_pipe_data_model_mesh_with_tensor_parallel_blocks_equals_plain_optax():
     specs["blocks"]["mlp"]["fc"]["kernel"] = jax.sharding.PartitionSpec(None, None, "model")
     specs["blocks"]["mlp"]["proj"]["kernel"] = jax.sharding.PartitionSpec(None, "model", None)
     data = batches(2, 2 * 2 * 2)
-    ref, losses, _ = reference(pipe, tx, data)
+    ref, losses, _ = reference(0, 2, 2 * 2 * 2)
     mesh = zj.make_mesh((2, 2, 2), ("pipe", "data", "model"))
     state = zj.shard_train_state(PARAMS, tx, mesh=mesh, param_specs=specs,
                                  config=zj.ZeroConfig(stage=1, gradient_accumulation_steps=2))
@@ -181,7 +188,7 @@ def test_pipe_data_model_mesh_with_tensor_parallel_blocks_equals_plain_optax():
 @pytest.mark.slow
 def test_checkpoint_restores_onto_another_pipe_size(tmp_path):
     pipe, tx = gpt_pipeline(CFG), optax.adamw(1e-3)
-    data = batches(2, 8 * 2)
+    data = batches(2, 8)  # 4 data devices x 2 micro-batches at pipe 2; the batches (and reference) of the TP test
     state, _ = run(pipe, tx, data[:1], (2, 4), stage=1, gradient_accumulation_steps=2)
     with zj.CheckpointManager(tmp_path) as mngr:
         mngr.save(1, state)
@@ -192,7 +199,7 @@ def test_checkpoint_restores_onto_another_pipe_size(tmp_path):
     for x in jax.tree_util.tree_leaves(restored.params["blocks"]):
         assert local_layers(x) == {1}
     assert_close_params(restored, state.full_params(), tol=0)
-    ref, losses, _ = reference(pipe, tx, data)
+    _, losses, _ = reference(0, 2, 8)
     _, hist = zj.make_train_step(pipe, restored)(restored, data[1])
     assert abs(float(hist["loss"]) - losses[1]) < 1e-5
 

@@ -1,6 +1,8 @@
 """The step pipeline's rules have one home each (zerojax.update._pipeline): break one there and
 every path's check of it fails. Each test runs a path once as it is (it must pass) and once with
 the rule broken (its check must then fail)."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -56,25 +58,34 @@ def _zero_optimizer_clipped():
     params = init_params(jax.random.PRNGKey(0))
     t = zj.zero_optimizer(tx(), config=zj.ZeroConfig(stage=2, gradient_clipping=CLIP))
     s = t.init(params)
+    grad = jax.jit(jax.grad(loss_fn))  # the gradient in one program; zero_optimizer's update runs as before
     for b in batches(2):
-        u, s = t.update(jax.grad(loss_fn)(params, b), s, params)
+        u, s = t.update(grad(params, b), s, params)
         params = optax.apply_updates(params, u)
     return params
+
+
+@functools.cache
+def _clip_reference(zenflow: bool):
+    """What every path's clipped run must equal (host arrays), computed once for the twelve cases:
+    plain optax with DeepSpeed's clipping written out (tests/helpers.py), or ZenFlow's own
+    algorithm written out in numpy with the same clipping. Neither runs library code that the
+    negative controls break, so a broken case compares against the same numbers."""
+    params = init_params(jax.random.PRNGKey(0))
+    if zenflow:
+        ref = ZenFlowReference(params, jax.jit(jax.grad(loss_fn)), lambda c: 1e-2, topk_ratio=0.3, update_interval=1,
+                               overlap=False, select_interval=100, weight_decay=1e-4, clip=CLIP)
+        for b in batches(2):
+            ref.step(b)
+        ref.finish()
+        return jax.device_get(ref.params())
+    return jax.device_get(reference_train(params, tx(), batches(2), clip=CLIP)[0])
 
 
 @pytest.mark.parametrize("path", list(PATHS) + ["zero_optimizer"])
 @pytest.mark.parametrize("broken_clip", [False, True])
 def test_clipping_has_one_home(path, broken_clip, tmp_path, monkeypatch):
-    params = init_params(jax.random.PRNGKey(0))
-    if path == "zenflow":  # its own algorithm, written out in numpy with the same clipping
-        ref = ZenFlowReference(params, jax.grad(loss_fn), lambda c: 1e-2, topk_ratio=0.3, update_interval=1,
-                               overlap=False, select_interval=100, weight_decay=1e-4, clip=CLIP)
-        for b in batches(2):
-            ref.step(b)
-        ref.finish()
-        want = ref.params()
-    else:
-        want, _ = reference_train(params, tx(), batches(2), clip=CLIP)
+    want = _clip_reference(path == "zenflow")  # ZenFlow: its own algorithm, written out in numpy
     if broken_clip:
         broken.invert_clipping(monkeypatch)
     got = _zero_optimizer_clipped() if path == "zero_optimizer" else _clipped_run(path, tmp_path)

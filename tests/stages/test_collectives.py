@@ -21,12 +21,19 @@ CFG = GPTConfig(vocab=256, n_layer=3, d_model=32, n_head=4, seq_len=8)
 ONE_BLOCK = GPTConfig(vocab=256, n_layer=1, d_model=32, n_head=4, seq_len=8)
 
 
-def compiled_report(cfg=CFG, gas=1, **config):
+def compiled_step(cfg=CFG, gas=1, **config):
+    """(comm report, state, step, batch) of a GPT's abstract stage step: the step can be lowered
+    again for its text without tracing it again."""
     config.setdefault("param_persistence_threshold", 0)
     state = zj.abstract_train_state(lambda k: init_params(cfg, k), optax.adamw(1e-3),
                                     config=zj.ZeroConfig(gradient_accumulation_steps=gas, **config))
     batch = {"tokens": jax.ShapeDtypeStruct((8 * gas, cfg.seq_len + 1), np.int32)}
-    return zj.comm_report(zj.make_train_step(loss_fn(cfg), state), state, batch), state
+    step = zj.make_train_step(loss_fn(cfg), state)
+    return zj.comm_report(step, state, batch), state, step, batch
+
+
+def compiled_report(cfg=CFG, gas=1, **config):
+    return compiled_step(cfg, gas, **config)[:2]
 
 
 def small_state(gas=1, **config):
@@ -235,8 +242,9 @@ ENTRY %main (a: f32[8]) -> f32[8] {
 
 
 def test_peak_memory_is_the_compiled_analysis():
-    state = zj.abstract_train_state(lambda k: init_params(CFG, k), optax.sgd(0.1), config=zj.ZeroConfig(stage=2))
-    step = zj.make_train_step(loss_fn(CFG), state)
+    # one block: the sum is XLA's whatever the depth
+    state = zj.abstract_train_state(lambda k: init_params(ONE_BLOCK, k), optax.sgd(0.1), config=zj.ZeroConfig(stage=2))
+    step = zj.make_train_step(loss_fn(ONE_BLOCK), state)
     batch = {"tokens": jax.ShapeDtypeStruct((8, 9), np.int32)}
     peak = zj.peak_memory(step, state, batch)
     m = step.lower(state, batch).compile().memory_analysis()
@@ -298,6 +306,14 @@ def _plain_sgd(cfg, tx, params, data):
     return params
 
 
+def _tied_gpt(cfg):
+    """(params, 3 batches of 16 rows) for the tied-table tests' training; the params from one
+    jitted init (op by op, a 4001-row table's init compiled some 60 small programs)."""
+    params = jax.jit(init_params, static_argnums=0)(cfg, jax.random.PRNGKey(0))
+    rng = np.random.default_rng(0)
+    return params, [{"tokens": rng.integers(0, cfg.vocab, (16, 9)).astype(np.int32)} for _ in range(3)]
+
+
 @pytest.mark.parametrize("scan", [False, True], ids=["python_loop", "scan"])
 def test_tied_table_larger_than_a_fetch_is_never_whole_and_matches_plain_sgd(scan):
     # 4001 x 64 tied embedding; max_live_parameters=20000 slices it into 13 pieces of 308 rows
@@ -315,9 +331,7 @@ def test_tied_table_larger_than_a_fetch_is_never_whole_and_matches_plain_sgd(sca
     # collectives along the width still came with a copy of the table)
     assert peaks[20_000] + 0.9 * table <= peaks[10**9], peaks
 
-    params = init_params(cfg, jax.random.PRNGKey(0))
-    rng = np.random.default_rng(0)
-    data = [{"tokens": rng.integers(0, cfg.vocab, (16, 9)).astype(np.int32)} for _ in range(3)]
+    params, data = _tied_gpt(cfg)
     tx = optax.sgd(0.5)
     p = _plain_sgd(cfg, tx, params, data)
     state, step = _gpt_step(cfg, params, tx, 16, max_live_parameters=20_000, gradient_accumulation_steps=2)
@@ -344,9 +358,7 @@ def test_tied_table_split_along_its_rows_is_sliced_too_and_matches_plain_sgd():
     # neither the gathered table nor its gradient is whole: the lookup moves rows (a reduce-scatter)
     assert peaks[40_000] + 0.9 * table <= peaks[10**9], peaks
 
-    params = init_params(cfg, jax.random.PRNGKey(0))
-    rng = np.random.default_rng(0)
-    data = [{"tokens": rng.integers(0, cfg.vocab, (16, 9)).astype(np.int32)} for _ in range(3)]
+    params, data = _tied_gpt(cfg)
     tx = optax.sgd(0.5)
     p = _plain_sgd(cfg, tx, params, data)
     state, step = _gpt_step(cfg, params, tx, 16, max_live_parameters=40_000, gradient_accumulation_steps=2)
@@ -468,10 +480,10 @@ def test_stage3_bounds_of_zero_gather_each_param_whole(zeros):
     # 0 is DeepSpeed's "off" for these bounds (no prefetch; nothing live beyond the param in
     # use), not a fetch unit of no elements: each param in use is gathered whole, one
     # collective per param and pass, never a loop of one-row slices
-    report, state = compiled_report(stage=3, **zeros)
+    # one block (16 params) shows it as well as three; the text is the reported step's own
+    report, state, step, batch = compiled_step(ONE_BLOCK, stage=3, **zeros)
     partitioned = [lay for lay in state.plan.leaves if lay.params_partitioned]
-    hlo = zj.make_train_step(loss_fn(CFG), state).lower(
-        state, {"tokens": jax.ShapeDtypeStruct((8, CFG.seq_len + 1), np.int32)}).as_text()
+    hlo = step.lower(state, batch).as_text()
     assert "while" not in hlo  # no sliced matmul loop
     assert report.count("all-gather") <= 3 * len(partitioned), report
     assert 0.95 <= report.ratio <= 1.02, report

@@ -51,6 +51,10 @@ def run(params, tx, data, cfg, loss=loss_fn):
     return state, metrics
 
 
+# a GPT's init in one program (op by op, the stacked layers' init compiled some 60 small programs)
+gpt_init = jax.jit(gpt.init_params, static_argnums=0)
+
+
 def gpt_batches(steps, rows=16, seed=0):
     rng = np.random.default_rng(seed)
     return [{"tokens": rng.integers(0, TINY.vocab, (rows, TINY.seq_len + 1)).astype(np.int32)} for _ in range(steps)]
@@ -167,7 +171,7 @@ def test_hpz_alone_equals_stage3_exactly(model):
         params, data, loss, extra = init_params(jax.random.PRNGKey(0)), batches(3), loss_fn, {}
     else:
         cfg = TINY if model == "gpt_sliced" else gpt.GPTConfig(**{**TINY.__dict__, "scan": True})
-        params, data, loss = gpt.init_params(cfg, jax.random.PRNGKey(0)), gpt_batches(3), gpt.loss_fn(cfg)
+        params, data, loss = gpt_init(cfg, jax.random.PRNGKey(0)), gpt_batches(3), gpt.loss_fn(cfg)
         # sliced: params above 8 buckets of 256 elements are gathered slice by slice in their matmuls
         extra = {"prefetch_bucket_size": 256} if model == "gpt_sliced" else {}
     # the GPTs train with SGD momentum: their two programs (hpZ's and stage 3's) may be fused
@@ -233,7 +237,7 @@ def test_all_three_within_the_bounds_with_accumulation():
 @pytest.mark.parametrize("scan", [True, False])
 def test_gpt_bf16_accumulation_all_three_tracks_stage3(scan):
     cfg = gpt.GPTConfig(**{**TINY.__dict__, "scan": scan})
-    params, data, loss = gpt.init_params(cfg, jax.random.PRNGKey(0)), gpt_batches(4), gpt.loss_fn(cfg)
+    params, data, loss = gpt_init(cfg, jax.random.PRNGKey(0)), gpt_batches(4), gpt.loss_fn(cfg)
     common = dict(precision="bf16", gradient_accumulation_steps=2)
     tx = optax.adamw(3e-3)
     base, mb = run(params, tx, data, config(**common), loss)
@@ -291,14 +295,21 @@ def test_offload_changes_nothing():
 def test_checkpoint_round_trip_holds_exact_values_and_resumes_bitwise(tmp_path):
     params, data = init_params(jax.random.PRNGKey(5)), batches(4)
     cfg, tx = config(precision="bf16", **ALL), optax.adamw(1e-2)
-    straight, _ = run(params, tx, data, cfg)
-    half, _ = run(params, tx, data[:2], cfg)
+    # the straight run, saved after its second step: one step program, not a second run of two
+    # steps compiled again for the half
+    half = zj.shard_train_state(params, tx, config=cfg)
+    first = zj.make_train_step(loss_fn, half)
+    for b in data[:2]:
+        half, _ = first(half, b)
     stored = jax.device_get(half.params)
     with CheckpointManager(tmp_path / "ckpt") as mgr:
         mgr.save(2, half)
         mgr.wait_until_finished()
         target = zj.shard_train_state(params, tx, config=cfg)
         resumed, _ = mgr.restore(target)
+    straight = half  # goes on, uninterrupted (the step donates it: nothing else reads it after this)
+    for b in data[2:]:
+        straight, _ = first(straight, b)
     # nothing quantized went in: the params come back as stored, in their 16-bit dtype
     for a, b in zip(jax.tree_util.tree_leaves(stored), jax.tree_util.tree_leaves(jax.device_get(resumed.params))):
         assert b.dtype == jnp.bfloat16

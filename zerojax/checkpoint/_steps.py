@@ -102,7 +102,12 @@ def checkpointer(this_process_only: bool):
 
 
 def read_state(step_dir: str, item, restore_args, this_process_only: bool = False):
-    """Read the state item; every process together, or (``this_process_only``) this one alone."""
+    """Read the state item; every process together, or (``this_process_only``) this one alone.
+    In a single process tensorstore reads it directly (:func:`_pieces.read_tree`)."""
+    if jax.process_count() == 1:
+        from zerojax.checkpoint import _pieces
+
+        return _pieces.read_tree(os.path.join(step_dir, STATE), item, restore_args)
     try:
         return checkpointer(this_process_only).restore(
             os.path.join(step_dir, STATE),

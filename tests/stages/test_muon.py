@@ -195,8 +195,9 @@ def _layer_loss(p, batch):
 
 @functools.lru_cache(maxsize=None)
 def _layer_txs():
-    """The Muon and AdamW of the collectives test, one object each for both stages: the Muon
-    recognition (cached per transformation and param shapes) then runs once for the 24 leaves."""
+    """The Muon (inject_hyperparams, lr 1e-3) and AdamW of the collectives test, one object each
+    for both stages: the Muon recognition (cached per transformation and param shapes) then runs
+    once for the 24 leaves (and once for the momentum-share test's shapes)."""
     return (("muon", optax.inject_hyperparams(optax.contrib.muon)(learning_rate=1e-3)),
             ("adamw", optax.adamw(1e-3)))
 
@@ -417,7 +418,7 @@ def test_each_device_holds_a_1_over_n_share_of_the_muon_momentum(stage):
     """From the state's shards: every device holds 4 Psi_muon / N bytes of Muon momentum, within
     one matrix (the partitions' padding), and nothing of the AdamW leaves in it."""
     params = _layer_params(3, d=16)
-    tx = optax.inject_hyperparams(optax.contrib.muon)(learning_rate=1e-3)
+    tx = _layer_txs()[0][1]  # one object for both stages: its recognition on these shapes runs once
     state = zj.shard_train_state(params, tx, mesh=zj.make_mesh(), config=zj.ZeroConfig(stage=stage))
     assert muon_recipe(state.plan, tx) is not None
     mu = jax.tree_util.tree_leaves(_nodes(state.opt_state)[0].mu)
@@ -527,8 +528,13 @@ def test_zero_optimizer_runs_muon_on_owners_and_equals_optax(stage):
     no all-reduce per Newton–Schulz matmul, which optax's update on the partitions makes), and
     10 steps equal one-device optax."""
     params, data = init_params(jax.random.PRNGKey(0)), batches(10)
-    tx = zj.zero_optimizer(_zero_optimizer_muon(), mesh=zj.make_mesh(), config=zj.ZeroConfig(stage=stage))
+    mesh = zj.make_mesh()
+    tx = zj.zero_optimizer(_zero_optimizer_muon(), mesh=mesh, config=zj.ZeroConfig(stage=stage))
     opt_state = tx.init(params)
+    # the loop's params come back replicated on the mesh: they start there, so the program lowered
+    # here is the one every step runs (from init_params' single-device arrays the first call
+    # compiled it a second time: the same HLO but for source-line metadata, keyed apart by jit)
+    params = jax.device_put(params, NamedSharding(mesh, P()))
 
     @jax.jit
     def step(p, s, b):

@@ -13,6 +13,9 @@ import optax
 import optax.contrib
 import pytest
 
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
 import zerojax as zj
 from zerojax.update._recognize import describe
 from tests.helpers import batches, init_params, loss_fn, max_rel_err, reference_train
@@ -91,6 +94,10 @@ def _expect_refusal(path, opt):
 def _zero_optimizer_run(path, tx_fn, params, data):
     tx = zj.zero_optimizer(tx_fn(), config=zj.ZeroConfig(**PATHS[path]))
     state = tx.init(params)
+    # the loop's params come back from the step replicated on the mesh: they start there. From
+    # init_params' single-device arrays the first call compiled the same program a second time
+    # (the compiled HLO differs only in source-line metadata; jit's cache keys the two layouts apart)
+    params = jax.device_put(params, NamedSharding(zj.make_mesh(), P()))
 
     @jax.jit
     def step(p, s, b):

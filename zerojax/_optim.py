@@ -278,7 +278,13 @@ def zero_optimizer(tx: optax.GradientTransformation, *, mesh=None,
     jit_update = jax.jit(update_fn)
 
     def init(params):
-        return jit_init(params)
+        state = jit_init(params)
+        if offload:
+            # the jitted init returns host-memory leaves replicated (every device's share holding the
+            # whole state) whatever the placement inside it: put them where the update stores them,
+            # split over the data axis, so a caller's jitted step sees one layout from its first call
+            state = store(plan_for(params), state.inner)
+        return state
 
     def _value(extra_args):
         """The loss for an inner update that takes it (:func:`takes_value`); extra arguments are

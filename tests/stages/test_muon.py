@@ -2,6 +2,7 @@
 equal to one-device optax at stages 1–3 with gradient accumulation, its step holds a fixed
 number of collectives (all-to-alls per matrix shape, none per Newton–Schulz matmul), and a
 Muon-like transformation it does not recognise keeps running through optax."""
+import functools
 import os
 import types
 import warnings
@@ -53,15 +54,53 @@ def _reference_tx():
                               adam_weight_decay=0.01, muon_weight_dimension_numbers=muon_dimension_numbers())
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_deepspeed_muon_on_owners_equals_optax_with_accumulation(stage):
+def _optax_trajectory(tx, loss, params, data):
+    """One-device optax, one jitted step: [(params, optimizer state) after each batch of ``data``]."""
+    @jax.jit
+    def step(p, s, b):
+        u, s = tx.update(jax.grad(loss)(p, b), s, p)
+        return optax.apply_updates(p, u), s
+
+    out, p, s = [], params, tx.init(params)
+    for b in data:
+        p, s = step(p, s, b)
+        out.append((p, s))
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _muon_trajectory():
+    return _optax_trajectory(_reference_tx(), loss_fn, init_params(jax.random.PRNGKey(0)), batches(10))
+
+
+def _muon_reference(steps):
+    """DeepSpeed's Muon (:func:`_reference_tx`) in one-device optax on the small model, from
+    ``init_params(PRNGKey(0))`` over the first ``steps`` of ``batches(10)`` (``batches(6)`` is
+    their first 6): (params, optimizer state). Computed once for every test that trains the small
+    model with it; each test compares its own zerojax run against it."""
+    return _muon_trajectory()[steps - 1]
+
+
+@functools.lru_cache(maxsize=None)
+def _deepspeed_muon_run(stage):
+    """zj.initialize with DeepSpeed's Muon at ``stage`` with accumulation 2, 10 steps: (whether
+    Muon was recognised, the params after, the collectives of its compiled step). The step is
+    compiled once (``lower().compile()``, which its first call reuses): the accumulation test
+    checks its training, the offload test compares the offloaded step's collectives with it."""
     params, data = init_params(jax.random.PRNGKey(0)), batches(10)
     state, step = zj.initialize(params, loss_fn, _ds(stage, 2))
-    assert muon_recipe(state.plan, state.tx) is not None
+    recognised = muon_recipe(state.plan, state.tx) is not None
+    kinds = collectives(step.lower(state, data[0]).compile().as_text())
     for b in data:
         state, _ = step(state, b)
-    ref = reference_run(params, _reference_tx(), data)
-    assert max_rel_err(unshard_params(state), ref.params) < 1e-5
+    return recognised, unshard_params(state), kinds
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_deepspeed_muon_on_owners_equals_optax_with_accumulation(stage):
+    recognised, got, _ = _deepspeed_muon_run(stage)
+    assert recognised
+    assert max_rel_err(got, _muon_reference(10)[0]) < 1e-5
 
 
 def test_a_scheduler_drives_both_learning_rates_on_owners():
@@ -108,11 +147,7 @@ def test_stacked_leaves_share_stacks_with_2d_ones_and_match_optax():
     for b in data:
         state, _ = step(state, b)
     ref = optax.contrib.muon(0.01, weight_decay=0.01, muon_weight_dimension_numbers=muon_dimension_numbers())
-    s, p = ref.init(params), params
-    for b in data:
-        g = jax.grad(_stacked_loss)(p, b)
-        u, s = ref.update(g, s, p)
-        p = optax.apply_updates(p, u)
+    p, _ = _optax_trajectory(ref, _stacked_loss, params, data)[-1]
     assert max_rel_err(unshard_params(state), p) < 1e-5
 
 
@@ -158,14 +193,22 @@ def _layer_loss(p, batch):
     return jnp.mean(h ** 2)
 
 
+@functools.lru_cache(maxsize=None)
+def _layer_txs():
+    """The Muon (inject_hyperparams, lr 1e-3) and AdamW of the collectives test, one object each
+    for both stages: the Muon recognition (cached per transformation and param shapes) then runs
+    once for the 24 leaves (and once for the momentum-share test's shapes)."""
+    return (("muon", optax.inject_hyperparams(optax.contrib.muon)(learning_rate=1e-3)),
+            ("adamw", optax.adamw(1e-3)))
+
+
 @pytest.mark.parametrize("stage", [1, 3])
 def test_collectives_do_not_follow_the_iterations_and_bytes_stay_within_adamws_plus_the_muon_params(stage):
     params = _layer_params(8)
     batch = {"x": np.random.default_rng(1).standard_normal((16, 32)).astype(np.float32)}
     config = zj.ZeroConfig(stage=stage, param_persistence_threshold=0)
     reports = {}
-    for name, tx in (("muon", optax.inject_hyperparams(optax.contrib.muon)(learning_rate=1e-3)),
-                     ("adamw", optax.adamw(1e-3))):
+    for name, tx in _layer_txs():
         state = zj.shard_train_state(params, tx, mesh=zj.make_mesh(), config=config)
         step = zj.make_train_step(_layer_loss, state)
         reports[name] = collectives(step.lower(state, batch).compile().as_text())
@@ -205,16 +248,14 @@ def test_offloaded_muon_keeps_its_state_on_the_host_and_orthogonalises_on_owners
     assert state.plan.host_update and muon_recipe(state.plan, state.tx) is not None
     lowered = step.lower(state, data[0])
     assert '_xla_compute_type = "host"' in lowered.as_text()  # the AdamW group
-    plain, plain_step = zj.initialize(params, loss_fn, _ds(stage, 2))
-    want = collectives(plain_step.lower(plain, data[0]).compile().as_text())
+    want = _deepspeed_muon_run(stage)[2]  # the same config's step without offload
     got = collectives(lowered.compile().as_text())
     assert got.count("all-to-all") > 0 and {k: v[0] for k, v in got.kinds.items()} == {
         k: v[0] for k, v in want.kinds.items()}
     for b in data:
         state, _ = step(state, b)
     assert _moment_kinds(state.opt_state) == {"muon": {"pinned_host"}, "adam": {"pinned_host"}}
-    ref = reference_run(params, _reference_tx(), data)
-    assert max_rel_err(unshard_params(state), ref.params) < 1e-5
+    assert max_rel_err(unshard_params(state), _muon_reference(10)[0]) < 1e-5
 
 
 @pytest.mark.slow
@@ -235,8 +276,7 @@ def test_partially_offloaded_muon_keeps_each_side_and_equals_optax():
         for path, x in jax.tree_util.tree_flatten_with_path(group)[0]:
             want = "pinned_host" if path_str(path) in on_host else "device"
             assert x.sharding.memory_kind == want, (name, path_str(path))
-    ref = reference_run(params, _reference_tx(), data)
-    assert max_rel_err(unshard_params(state), ref.params) < 1e-5
+    assert max_rel_err(unshard_params(state), _muon_reference(6)[0]) < 1e-5
 
 
 def test_muon_with_zenflow_is_refused_by_name():
@@ -281,7 +321,7 @@ def test_nvme_muon_keeps_its_momentum_in_the_files_and_equals_optax(stage, tmp_p
     assert loop.muon is not None and state.plan.optimizer_state_outside
     for b in data:
         state, metrics = step(state, b)
-    p, ref_state = _reference_with_state(_reference_tx(), loss_fn, params, data)
+    p, ref_state = _muon_reference(10)
     assert max_rel_err(unshard_params(state), p) < 1e-5
     assert float(metrics["learning_rate"]) == pytest.approx(0.02)
     m = state.plan.treedef.unflatten(jax.tree_util.tree_leaves(loop.layout.views(loop.store.read("m"))))
@@ -346,8 +386,7 @@ def test_stage_0_orthogonalises_each_matrix_once_and_equals_optax():
     assert got.count("all-gather") == len(shapes) and got.count("all-to-all") == 0
     for b in data:
         state, _ = step(state, b)
-    ref = reference_run(params, _reference_tx(), data)
-    assert max_rel_err(unshard_params(state), ref.params) < 1e-5
+    assert max_rel_err(unshard_params(state), _muon_reference(10)[0]) < 1e-5
 
 
 @pytest.mark.slow
@@ -361,13 +400,13 @@ def test_offloaded_muon_checkpoints_restore_on_the_device_and_offloaded(tmp_path
     manager = zj.CheckpointManager(str(tmp_path))
     manager.save(3, state)
     manager.wait_until_finished()
-    ref = reference_run(params, _reference_tx(), data)
+    want = _muon_reference(6)[0]
     for ds in (_ds(3, 1), _offloaded(_ds(2, 1))):
         target, step = zj.initialize(params, loss_fn, ds)
         restored, _ = zj.checkpoint.restore(str(tmp_path), target)
         for b in data[3:]:
             restored, _ = step(restored, b)
-        assert max_rel_err(unshard_params(restored), ref.params) < 1e-5
+        assert max_rel_err(unshard_params(restored), want) < 1e-5
     assert _moment_kinds(restored.opt_state) == {"muon": {"pinned_host"}, "adam": {"pinned_host"}}
 
 
@@ -379,7 +418,7 @@ def test_each_device_holds_a_1_over_n_share_of_the_muon_momentum(stage):
     """From the state's shards: every device holds 4 Psi_muon / N bytes of Muon momentum, within
     one matrix (the partitions' padding), and nothing of the AdamW leaves in it."""
     params = _layer_params(3, d=16)
-    tx = optax.inject_hyperparams(optax.contrib.muon)(learning_rate=1e-3)
+    tx = _layer_txs()[0][1]  # one object for both stages: its recognition on these shapes runs once
     state = zj.shard_train_state(params, tx, mesh=zj.make_mesh(), config=zj.ZeroConfig(stage=stage))
     assert muon_recipe(state.plan, tx) is not None
     mu = jax.tree_util.tree_leaves(_nodes(state.opt_state)[0].mu)
@@ -428,17 +467,29 @@ def test_shapes_with_fewer_matrices_than_devices_are_balanced_over_the_owners():
     assert mine <= 1.15 * total / 8
 
 
-def _reference_with_state(tx, loss, params, data):
-    """One-device optax, jitted: (params, optimizer state) after ``data``."""
-    @jax.jit
-    def step(p, s, b):
-        u, s = tx.update(jax.grad(loss)(p, b), s, p)
-        return optax.apply_updates(p, u), s
+def _balanced_loss(p, batch):
+    h = batch["x"]
+    for i in range(3):
+        h = jnp.tanh(h @ p["a"][i]) @ p["b"][i]
+    return jnp.mean((h @ p["b"][3:].sum(0).T - batch["y"]) ** 2) + jnp.mean(p["b"][4] ** 2)
 
-    p, s = params, tx.init(params)
-    for b in data:
-        p, s = step(p, s, b)
-    return p, s
+
+def _balanced_setup():
+    """(params, data, a maker of the Muon) of the balanced-owners test."""
+    rng = np.random.default_rng(0)
+    params = {"a": (rng.standard_normal((3, 16, 24)) * 0.3).astype(np.float32),
+              "b": (rng.standard_normal((5, 24, 16)) * 0.3).astype(np.float32)}
+    data = [{"x": rng.standard_normal((16, 16)).astype(np.float32), "y": rng.standard_normal((16, 24)).astype(np.float32)}
+            for _ in range(10)]
+    dims = muon_dimension_numbers()
+    return params, data, lambda: optax.contrib.muon(0.02, weight_decay=0.01, muon_weight_dimension_numbers=dims)
+
+
+@functools.lru_cache(maxsize=None)
+def _balanced_reference():
+    """One-device optax's params after the balanced test's 10 steps (computed once for both cases)."""
+    params, data, make = _balanced_setup()
+    return _optax_trajectory(make(), _balanced_loss, params, data)[-1][0]
 
 
 @pytest.mark.parametrize("branches", [32, 1], ids=["a-branch-per-owner", "every-slot"])
@@ -447,30 +498,27 @@ def test_balanced_owners_train_like_optax(branches, monkeypatch):
     branch) trains equal to one-device optax over 10 steps; so does the program past its
     branch limit, where every owner iterates on every slot (the empty ones stay zero)."""
     monkeypatch.setattr(_muon_owners, "_MAX_BRANCHES", branches)
-    rng = np.random.default_rng(0)
-    params = {"a": (rng.standard_normal((3, 16, 24)) * 0.3).astype(np.float32),
-              "b": (rng.standard_normal((5, 24, 16)) * 0.3).astype(np.float32)}
-    dims = muon_dimension_numbers()
-
-    def loss(p, batch):
-        h = batch["x"]
-        for i in range(3):
-            h = jnp.tanh(h @ p["a"][i]) @ p["b"][i]
-        return jnp.mean((h @ p["b"][3:].sum(0).T - batch["y"]) ** 2) + jnp.mean(p["b"][4] ** 2)
-
-    data = [{"x": rng.standard_normal((16, 16)).astype(np.float32), "y": rng.standard_normal((16, 24)).astype(np.float32)}
-            for _ in range(10)]
-    make = lambda: optax.contrib.muon(0.02, weight_decay=0.01, muon_weight_dimension_numbers=dims)  # noqa: E731
+    params, data, make = _balanced_setup()
     state = zj.shard_train_state(params, make(), mesh=zj.make_mesh(), config=zj.ZeroConfig(stage=2))
     assert muon_recipe(state.plan, state.tx) is not None
-    step = zj.make_train_step(loss, state)
+    step = zj.make_train_step(_balanced_loss, state)
     for b in data:
         state, _ = step(state, b)
-    p, _ = _reference_with_state(make(), loss, params, data)
-    assert max_rel_err(unshard_params(state), p) < 1e-5
+    assert max_rel_err(unshard_params(state), _balanced_reference()) < 1e-5
 
 
 # ------------------------------------------------------------------ zj.zero_optimizer
+
+
+def _zero_optimizer_muon():
+    return optax.contrib.muon(0.02, weight_decay=0.01)
+
+
+@functools.lru_cache(maxsize=None)
+def _zero_optimizer_reference():
+    """One-device optax's params after 10 steps of :func:`_zero_optimizer_muon` on the small
+    model (computed once for the three stages)."""
+    return _optax_trajectory(_zero_optimizer_muon(), loss_fn, init_params(jax.random.PRNGKey(0)), batches(10))[-1][0]
 
 
 @pytest.mark.parametrize("stage", [0, 1, 3])
@@ -480,9 +528,13 @@ def test_zero_optimizer_runs_muon_on_owners_and_equals_optax(stage):
     no all-reduce per Newton–Schulz matmul, which optax's update on the partitions makes), and
     10 steps equal one-device optax."""
     params, data = init_params(jax.random.PRNGKey(0)), batches(10)
-    make = lambda: optax.contrib.muon(0.02, weight_decay=0.01)  # noqa: E731
-    tx = zj.zero_optimizer(make(), mesh=zj.make_mesh(), config=zj.ZeroConfig(stage=stage))
+    mesh = zj.make_mesh()
+    tx = zj.zero_optimizer(_zero_optimizer_muon(), mesh=mesh, config=zj.ZeroConfig(stage=stage))
     opt_state = tx.init(params)
+    # the loop's params come back replicated on the mesh: they start there, so the program lowered
+    # here is the one every step runs (from init_params' single-device arrays the first call
+    # compiled it a second time: the same HLO but for source-line metadata, keyed apart by jit)
+    params = jax.device_put(params, NamedSharding(mesh, P()))
 
     @jax.jit
     def step(p, s, b):
@@ -496,4 +548,4 @@ def test_zero_optimizer_runs_muon_on_owners_and_equals_optax(stage):
     p = params
     for b in data:
         p, opt_state = step(p, opt_state, b)
-    assert max_rel_err(p, reference_run(params, make(), data).params) < 1e-5
+    assert max_rel_err(p, _zero_optimizer_reference()) < 1e-5

@@ -58,6 +58,9 @@ class MuonHost:
         self.direction = np.zeros(layout.total, np.float32)
         zeros = lambda p: jnp.zeros(p.shape, p.dtype)  # noqa: E731
         self._state = tx.init(_proxy_tree(plan.treedef, recipe, zeros))
+        # optax's update on the proxies, jitted: run op by op it dispatches every Newton–Schulz
+        # primitive of every proxy matrix, about a second a step (and at construction)
+        self._advance_fn = jax.jit(lambda state: _advance_scalars(tx, recipe, plan.treedef, state, *_nodes(state)))
         coeffs = _nodes(self._state)[0].ns_coeffs
         self.settings = self.peek()
         # the Muon matrices in stacks of one shape, each device's block holding its matrices
@@ -77,7 +80,7 @@ class MuonHost:
         self._directions = jax.jit(directions, out_shardings=self._owned)
 
     def _advance(self):
-        return _advance_scalars(self.tx, self.recipe, self.plan.treedef, self._state, *_nodes(self._state))
+        return self._advance_fn(self._state)
 
     def peek(self) -> dict:
         """The settings the next applied step uses (learning rates, betas, eps, decays)."""

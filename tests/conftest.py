@@ -286,8 +286,10 @@ BUDGET = {
 }
 
 
-# the directories whose parametrised tests run every case in the quick tier too
-QUICK_EVERY_CASE = ("tests/config/",)
+# the directories whose parametrised tests run every case in the quick tier too, and the files that
+# mark their slow cases themselves (the optimizer table's quick tier is its diagonal: each path once,
+# each optimizer once)
+QUICK_EVERY_CASE = ("tests/config/", "tests/test_optimizer_table.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -10,6 +10,7 @@ import warnings
 import jax
 import orbax.checkpoint as ocp
 
+from zerojax.checkpoint._pieces import read_tree
 from zerojax.checkpoint._tree import FORMAT, META, READABLE_FORMATS, STATE
 from zerojax.checkpoint._integrity import DATA_FILE, META_FILE, load_json, verify_data, verify_meta
 from zerojax._errors import CheckpointError, ZeroJaxWarning
@@ -103,11 +104,9 @@ def checkpointer(this_process_only: bool):
 
 def read_state(step_dir: str, item, restore_args, this_process_only: bool = False):
     """Read the state item; every process together, or (``this_process_only``) this one alone.
-    In a single process tensorstore reads it directly (:func:`_pieces.read_tree`)."""
+    In a single process tensorstore reads it directly (:func:`read_tree`)."""
     if jax.process_count() == 1:
-        from zerojax.checkpoint import _pieces
-
-        return _pieces.read_tree(os.path.join(step_dir, STATE), item, restore_args)
+        return read_tree(os.path.join(step_dir, STATE), item, restore_args)
     try:
         return checkpointer(this_process_only).restore(
             os.path.join(step_dir, STATE),

@@ -339,8 +339,8 @@ def _item(flat: dict, param_ids, opt_ids, scalars: bool):
 
 # The host memory a restore may use beside the restored state, per process. The state is read in
 # groups of leaves (each param with the optimizer leaves that mirror it) of a quarter of it, each
-# laid out while the next is read: a group is held about four times over at the peak (the read
-# buffer, its device copy, the laid-out leaves, the next group's read), so the
+# laid out before the next is read: a group is held about four times over at the peak (the read
+# buffer, its device copy, the laid-out leaves, the next group's read beginning), so the
 # host holds the restored state plus about the budget, not two or three copies of the state.
 # A leaf larger than a group is read in pieces of a group (in_pieces, _pieces.build_leaf) straight
 # into its device shards, which hold a piece at most three times (the read, its device copy, the
@@ -481,9 +481,9 @@ def _restore_state(step_dir: str, meta: dict, target: TrainState, read, budget: 
             (opt_leaves[j],), sums["opt_state/" + path] = _read_in_pieces(
                 state_dir, "opt_state/" + path, lay.shape if lay is not None else tuple(x.shape),
                 [(shape, x.dtype, opt_homes[j])], piece, ctx)
-    reads = _one_ahead(lambda args: read(step_dir, *args),
-                       [_item(flat, pi, oi, g == 0) for g, (pi, oi) in enumerate(groups)])
-    for g, ((pi, oi), restored) in enumerate(zip(groups, reads)):
+    for g, (pi, oi) in enumerate(groups):
+        item, restore_args = _item(flat, pi, oi, g == 0)
+        restored = read(step_dir, item, restore_args)
         lays = [plan.leaves[i] for i in pi]
         opt_meta = [(opt[j][2], opt[j][1].dtype) for j in oi]
         key = ("restore", with_master, plan.mesh, plan.compute_dtype,
@@ -521,26 +521,6 @@ def _restore_state(step_dir: str, meta: dict, target: TrainState, read, budget: 
                        opt_state=jax.tree_util.tree_structure(target.opt_state).unflatten(opt_leaves),
                        loss_scale=scaler, rng=rng, plan=plan, tx=target.tx)
     return state, sums
-
-
-def _one_ahead(fn, args_list):
-    """``fn(a)`` for each ``a`` in turn, the next one running on a thread while the caller works
-    on the current (in one process: the next group is read while this one is laid out and
-    summed; a group budget holds it, see RESTORE_BUDGET). Several processes read in order, with
-    Orbax's barriers on the calling thread."""
-    if jax.process_count() > 1 or len(args_list) < 2:
-        yield from map(fn, args_list)
-        return
-    import concurrent.futures
-
-    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="zerojax-restore") as pool:
-        ahead = pool.submit(fn, args_list[0])
-        for k in range(len(args_list)):
-            current = ahead.result()
-            if k + 1 < len(args_list):
-                ahead = pool.submit(fn, args_list[k + 1])
-            yield current
-            del current
 
 
 def _restore_program(plan: ZeroPlan, lays, opt_meta, param_homes, master_homes, opt_homes, with_master: bool,

@@ -94,8 +94,8 @@ def measure(cfg, n, lean, seq, chunk, target=None):
         from zerojax.stages._device_step import compiler_options
         from zerojax.tools._gpu import compile_for_target
 
-        compiled = compile_for_target(step.trace(state, abstract_batch(mesh, seq)), mesh, target,
-                                      compiler_options(state.plan, "gpu"))
+        lowered = step.trace(state, abstract_batch(mesh, seq)).lower(lowering_platforms=("cuda",))
+        compiled = compile_for_target(lowered, mesh, target, compiler_options(state.plan, "gpu"))
     else:
         compiled = step.lower(state, abstract_batch(mesh, seq)).compile()
     mem = compiled.memory_analysis()

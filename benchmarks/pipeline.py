@@ -86,8 +86,8 @@ def gpu_peak(step, state, batch, target):
     from zerojax.stages._device_step import compiler_options
     from zerojax.tools._gpu import compile_for_target
 
-    m = compile_for_target(step.trace(state, batch), state.plan.mesh, target,
-                           compiler_options(state.plan, "gpu")).memory_analysis()
+    lowered = step.trace(state, batch).lower(lowering_platforms=("cuda",))
+    m = compile_for_target(lowered, state.plan.mesh, target, compiler_options(state.plan, "gpu")).memory_analysis()
     return m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
 
 

@@ -2,6 +2,7 @@
 have. Where JAX's CUDA plugin is installed the steps compile for 8 compile-only H100s here; the
 refusals, the topology, the schedule reader and the roofline run everywhere."""
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -119,10 +120,10 @@ def test_compiles_for_one_gpu_kind_share_xlas_kernel_cache(monkeypatch, tmp_path
     path = _gpu.kernel_cache_file(h100[0])
     assert path != _gpu.kernel_cache_file(_gpu.target_devices("a100", 1)[0])  # a kernel is built for one GPU
     first = _gpu.compile_for_devices(lowered, h100)
-    size = (tmp_path / "kernels" / path.rsplit("/", 1)[1]).stat().st_size
+    size = os.path.getsize(path)
     assert size > 0
     second = _gpu.compile_for_devices(lowered, h100)
-    assert (tmp_path / "kernels" / path.rsplit("/", 1)[1]).stat().st_size == size
+    assert os.path.getsize(path) == size
     assert second.as_text() == first.as_text()
     monkeypatch.setenv(_gpu.KERNEL_CACHE_ENV, "0")
     assert _gpu.kernel_cache_file(h100[0]) is None

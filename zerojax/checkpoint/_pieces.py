@@ -30,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from zerojax._compat import shard_map
 from zerojax._errors import CheckpointError
+from zerojax._plan import path_str
 from zerojax.offload._host_buffers import release  # noqa: F401  (used as _pieces.release)
 
 __all__ = ["CHUNK_BYTES", "MIN_PIECE", "boxes", "build_leaf", "chunk_shape", "context", "host_checksums",
@@ -156,7 +157,7 @@ def read_tree(state_dir: str, item: dict, restore_args: dict) -> dict:
     sharding. A missing or damaged array is a CheckpointError naming the leaf."""
     ctx = context()
     args, treedef = jax.tree_util.tree_flatten_with_path(restore_args)
-    keys = ["/".join(str(getattr(k, "key", k)) for k in path) for path, _ in args]
+    keys = [path_str(path) for path, _ in args]
     reads = []
     for key, (_, arg) in zip(keys, args):
         store = open_array(state_dir, key, ctx)
@@ -171,11 +172,8 @@ def read_tree(state_dir: str, item: dict, restore_args: dict) -> dict:
             data = future.result()
         except Exception as e:  # a missing or damaged chunk
             raise unreadable(key, os.path.dirname(state_dir), e) from e
-        shape = tuple(arg.global_shape)
-        if data.shape != shape:
-            whole = np.zeros(shape, data.dtype)
-            whole[tuple(slice(0, n) for n in data.shape)] = data
-            data = whole
+        if data.shape != tuple(arg.global_shape):  # the stored region, zeros past it
+            data = np.pad(data, [(0, g - n) for g, n in zip(arg.global_shape, data.shape)])
         out.append(jax.device_put(data.astype(arg.dtype, copy=False), arg.sharding))
         del data
     return jax.tree_util.tree_unflatten(treedef, out)

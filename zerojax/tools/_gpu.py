@@ -152,23 +152,25 @@ def target_devices(target, gpus: int):
 # file per GPU kind: in a directory of this process's own, removed at its exit, or in
 # ZEROJAX_GPU_KERNEL_CACHE (a directory kept; one process at a time writes it); "0" turns it off.
 KERNEL_CACHE_ENV = "ZEROJAX_GPU_KERNEL_CACHE"
-_OWN_KERNEL_CACHE = []
+
+
+@functools.cache
+def _own_kernel_directory() -> str:
+    """This process's kernel cache directory, made on first use and removed at exit."""
+    import atexit
+    import shutil
+    import tempfile
+
+    directory = tempfile.mkdtemp(prefix="zerojax-gpu-kernels-")
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    return directory
 
 
 def kernel_cache_file(device) -> Optional[str]:
     """The kernel cache file for compiles for ``device``'s kind (see above), or None where off."""
-    directory = os.environ.get(KERNEL_CACHE_ENV, "")
+    directory = os.environ.get(KERNEL_CACHE_ENV, "") or _own_kernel_directory()
     if directory == "0":
         return None
-    if not directory:
-        if not _OWN_KERNEL_CACHE:
-            import atexit
-            import shutil
-            import tempfile
-
-            _OWN_KERNEL_CACHE.append(tempfile.mkdtemp(prefix="zerojax-gpu-kernels-"))
-            atexit.register(shutil.rmtree, _OWN_KERNEL_CACHE[0], ignore_errors=True)
-        directory = _OWN_KERNEL_CACHE[0]
     os.makedirs(directory, exist_ok=True)
     # kernels are looked up by the fused computation, not by the GPU they were built for
     kind = re.sub(r"[^A-Za-z0-9]+", "-", f"{device.device_kind}-{getattr(device, 'compute_capability', '')}").strip("-")
@@ -185,14 +187,14 @@ def compile_for_devices(lowered, devices, options=None):
     return compile_lowered_for(lowered, devices, options)
 
 
-def compile_for_target(traced, mesh, target, options=None):
-    """XLA:GPU's program of ``traced`` (a ``jax.stages.Traced`` of a step over ``mesh``, a mesh of
-    this process's CPU devices) for as many compile-only GPUs of ``target``, laid out as the mesh:
-    lowered for CUDA over the CPU mesh, so that its memory kinds hold, then compiled for the GPUs.
-    ``options``: XLA options by name (the step's ``compiler_options(plan, "gpu")``)."""
+def compile_for_target(lowered, mesh, target, options=None):
+    """XLA:GPU's program of ``lowered`` for as many compile-only GPUs of ``target`` as ``mesh`` (a
+    mesh of this process's CPU devices) has, laid out as the mesh. ``lowered``: a step traced over
+    ``mesh`` and lowered for CUDA there (``traced.lower(lowering_platforms=("cuda",))``), so that
+    its memory kinds hold. ``options``: XLA options by name (the step's
+    ``compiler_options(plan, "gpu")``)."""
     import numpy as np
 
-    lowered = traced.lower(lowering_platforms=("cuda",))
     gpus = np.array(target_devices(target, mesh.devices.size)).reshape(mesh.devices.shape)
     return compile_for_devices(lowered, list(gpus.flat), options)
 

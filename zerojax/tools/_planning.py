@@ -378,8 +378,9 @@ def _plan_here(init_fn, loss_fn, batch_spec, axes: Dict[str, int], config: ZeroC
         step = make_train_step(loss_fn, state, has_aux=has_aux)
         traced, options = step.trace(state, batch), compiler_options(state.plan, "gpu")
     if target:
+        lowered = traced.lower(lowering_platforms=("cuda",))
         t1 = time.perf_counter()
-        compiled = compile_for_target(traced, mesh, target, options)
+        compiled = compile_for_target(lowered, mesh, target, options)
     else:
         lowered = traced.lower()
         t1 = time.perf_counter()

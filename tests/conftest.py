@@ -246,7 +246,9 @@ SLOW = {
     "tests/runtime/test_faults.py::test_the_named_preemption_signal_saves_like_sigterm": "3.5 s, a job",
     "tests/test_docs.py::test_docs_build_strict": "4.7 s, mkdocs (no JAX)",
     "tests/config/test_muon.py::test_deepspeed_muon_trains_like_optax":
-        ("stage 1: 167 programs, 25 s on a loaded machine; stage 3 stays", "3"),
+        "stage 1: 167 programs, 25 s on a loaded machine; stage 3: 20 s in the newest environment "
+        "(tests/stages/test_muon.py's DeepSpeed Muon against optax at stage 1 stays, and the "
+        "muon_params test reads the groups from a DeepSpeed file)",
     "tests/checkpoint/test_zenflow_checkpoint.py::test_checkpoints_move_between_zenflow_and_the_device_tier":
         "21 s on a loaded machine; the resumes of interval 2 and of an overlapped step stay",
     "tests/checkpoint/test_zenflow_checkpoint.py::test_warm_up_and_reselection_resume_between_reselections":
@@ -256,6 +258,14 @@ SLOW = {
         "13 s under load (248 programs; 81 since its reference runs jitted); the 2-D owner tests stay",
     "tests/stages/test_muon.py::test_collectives_do_not_follow_the_iterations_and_bytes_stay_within_adamws_plus_the_muon_params":
         "13 s under load, a compile per iteration count",
+    # the quick tier's heaviest calls in the newest environment (seconds there, idle, two workers)
+    "tests/test_sequence_parallel.py::test_the_step_splits_the_sequence_and_all_to_alls":
+        "10 s; the sequence-parallel GPT against plain optax stays",
+    "tests/tools/test_gpu_plan.py::test_plain_fsdp_plans_the_same_model_split_on_its_largest_dims":
+        "9.5 s; plan_step's own tests stay",
+    "tests/checkpoint/test_checkpoint.py::test_checksums_summed_on_the_host_equal_the_programs":
+        "8.3 s; every restore in the quick tier checks the checksums",
+    "tests/test_step.py::test_init_fn_in_groups_equals_one_program": "7.2 s a case",
 }
 
 

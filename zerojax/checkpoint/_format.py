@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import warnings
 import os
 from typing import Any
 
@@ -497,11 +498,15 @@ def _restore_state(step_dir: str, meta: dict, target: TrainState, read, budget: 
             [opt_homes[j] for j in oi], with_master, not on_host))
         read_params = [lookup(restored["params"], lay.path) for lay in lays]
         read_opt = [lookup(restored["opt_state"], opt[j][0]) for j in oi]
-        (p, m, o), s = program(read_params, read_opt)
         if on_host:  # the arrays read are zeros past the logical region, so they sum to its checksum
-            s = _pieces.host_checksums({**{("p", k): x for k, x in enumerate(read_params)},
-                                        **{("o", k): x for k, x in enumerate(read_opt)}})
-            s = ([s[("p", k)] for k in range(len(pi))], [s[("o", k)] for k in range(len(oi))])
+            host_sums = _pieces.host_checksums({**{("p", k): x for k, x in enumerate(read_params)},
+                                                **{("o", k): x for k, x in enumerate(read_opt)}})
+        with warnings.catch_warnings():  # a padded leaf's buffer cannot become its output: copied
+            warnings.filterwarnings("ignore", "Some donated buffers were not usable")
+            (p, m, o), s = program(read_params, read_opt)
+        del read_params, read_opt
+        if on_host:
+            s = ([host_sums[("p", k)] for k in range(len(pi))], [host_sums[("o", k)] for k in range(len(oi))])
         for k, i in enumerate(pi):
             params[i], master[i] = p[k], m[k]
             sums["params/" + plan.leaves[i].path] = s[0][k]
@@ -553,4 +558,6 @@ def _restore_program(plan: ZeroPlan, lays, opt_meta, param_homes, master_homes, 
     # checksums replicated: every process reads them (another process's shard cannot be fetched)
     rep = NamedSharding(plan.mesh, P())
     out_sh = ((list(param_homes), list(master_homes), list(opt_homes)), ([rep] * len(lays), [rep] * len(opt_meta)))
-    return jax.jit(build, out_shardings=out_sh)
+    # the arrays read are the restore's own: each becomes its leaf's buffer where the layouts agree
+    # (no second copy of the state in memory while it is placed)
+    return jax.jit(build, out_shardings=out_sh, donate_argnums=(0, 1))

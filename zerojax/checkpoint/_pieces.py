@@ -163,13 +163,15 @@ def read_tree(state_dir: str, item: dict, restore_args: dict) -> dict:
         store = open_array(state_dir, key, ctx)
         try:
             region = tuple(slice(0, min(a, b)) for a, b in zip(store.shape, arg.global_shape))
-            reads.append(store[region].read())
+            dest = np.empty([r.stop for r in region], store.dtype.numpy_dtype)
+            reads.append((dest, ts.array(dest, copy=False, write=True).write(store[region])))
         except Exception as e:  # tensorstore raises ValueError / OSError
             raise unreadable(key, os.path.dirname(state_dir), e) from e
     out = []
     for key, (_, arg), future in zip(keys, args, reads):
         try:
-            data = future.result()
+            data, done = future
+            done.result()
         except Exception as e:  # a missing or damaged chunk
             raise unreadable(key, os.path.dirname(state_dir), e) from e
         if data.shape != tuple(arg.global_shape):  # the stored region, zeros past it

@@ -67,8 +67,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import warnings
 import os
+import warnings
 from typing import Any
 
 import jax

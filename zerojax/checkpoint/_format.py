@@ -499,14 +499,16 @@ def _restore_state(step_dir: str, meta: dict, target: TrainState, read, budget: 
         read_params = [lookup(restored["params"], lay.path) for lay in lays]
         read_opt = [lookup(restored["opt_state"], opt[j][0]) for j in oi]
         if on_host:  # the arrays read are zeros past the logical region, so they sum to its checksum
-            host_sums = _pieces.host_checksums({**{("p", k): x for k, x in enumerate(read_params)},
-                                                **{("o", k): x for k, x in enumerate(read_opt)}})
+            # (summed before the program, which takes the arrays read as its own buffers)
+            host = _pieces.host_checksums({**{("p", k): x for k, x in enumerate(read_params)},
+                                           **{("o", k): x for k, x in enumerate(read_opt)}})
+            host = ([host[("p", k)] for k in range(len(pi))], [host[("o", k)] for k in range(len(oi))])
         with warnings.catch_warnings():  # a padded leaf's buffer cannot become its output: copied
             warnings.filterwarnings("ignore", "Some donated buffers were not usable")
             (p, m, o), s = program(read_params, read_opt)
         del read_params, read_opt
         if on_host:
-            s = ([host_sums[("p", k)] for k in range(len(pi))], [host_sums[("o", k)] for k in range(len(oi))])
+            s = host
         for k, i in enumerate(pi):
             params[i], master[i] = p[k], m[k]
             sums["params/" + plan.leaves[i].path] = s[0][k]

@@ -168,9 +168,8 @@ def read_tree(state_dir: str, item: dict, restore_args: dict) -> dict:
         except Exception as e:  # tensorstore raises ValueError / OSError
             raise unreadable(key, os.path.dirname(state_dir), e) from e
     out = []
-    for key, (_, arg), future in zip(keys, args, reads):
+    for key, (_, arg), (data, done) in zip(keys, args, reads):
         try:
-            data, done = future
             done.result()
         except Exception as e:  # a missing or damaged chunk
             raise unreadable(key, os.path.dirname(state_dir), e) from e
